@@ -1,0 +1,32 @@
+# Two commands do all the set-up on a fresh machine: `make train` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install train test test-gpu bench bench-cpu clean
+
+install: $(STAMP)
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+train: $(STAMP)          ## the embedded default: digits, fp32, W&B offline (about a minute on a CPU)
+	$(BIN)/python train.py $(ARGS)
+
+test: $(STAMP)           ## the CPU suite (GPU tests skip themselves without CUDA)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-gpu: $(STAMP)       ## only the tests marked gpu (on a CUDA machine)
+	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)
+
+bench-cpu: $(STAMP)      ## train.py vs a bare PyTorch loop on this CPU
+	$(BIN)/python benchmarks/bare_vs_train.py --preset cpu
+
+bench: $(STAMP)          ## train.py vs a bare loop on one GPU (ResNet-50, fp32/amp/bf16)
+	$(BIN)/python benchmarks/bare_vs_train.py --preset gpu
+
+clean:
+	rm -rf outputs/2* outputs/multirun .pytest_cache

@@ -1,0 +1,37 @@
+"""Datasets: `digits` (real, bundled with scikit-learn) and `synthetic` (generated on the device).
+
+Every training loader has the same small interface: `len()` micro-batches per epoch,
+`set_epoch(epoch, skip)` to fix the epoch's order and resume part-way through it, and iteration
+yielding (inputs, targets) already on the training device in the model's memory format.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Protocol
+
+import torch
+
+from ..config import DataConfig, HardwareConfig
+from . import digits, synthetic
+
+
+class TrainLoader(Protocol):
+    def __len__(self) -> int: ...
+    def set_epoch(self, epoch: int, skip: int = 0) -> None: ...
+    def __iter__(self): ...
+
+
+@dataclass
+class Data:
+    train: TrainLoader
+    val: Iterable[tuple[torch.Tensor, torch.Tensor]]
+    num_classes: int
+    input_shape: tuple[int, int, int]  # C, H, W
+
+
+def build(dcfg: DataConfig, hw: HardwareConfig, batch: int, device: torch.device, seed: int,
+          channels_last: bool = False, rank: int = 0, world: int = 1) -> Data:
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    if dcfg.name == "synthetic":
+        return synthetic.build(dcfg, batch, device, fmt, seed + rank)
+    return digits.build(dcfg, hw, batch, device, fmt, seed, rank, world)

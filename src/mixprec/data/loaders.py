@@ -1,0 +1,42 @@
+"""A resumable epoch loader for map-style datasets (shared by every on-disk/in-memory dataset)."""
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+def to_device(batch, device: torch.device, fmt: torch.memory_format):
+    x, y = batch
+    x = x.to(device, non_blocking=True).contiguous(memory_format=fmt)
+    return x, y.to(device, non_blocking=True)
+
+
+class EpochLoader:
+    """Shuffles by (seed, epoch) like DistributedSampler (one replica is the single-process case),
+    drops the ragged last batch (static shapes, exact loss averaging), and can start part-way
+    through an epoch so a resumed run sees exactly the batches it would have seen."""
+
+    def __init__(self, dataset: Dataset, batch: int, device: torch.device,
+                 fmt: torch.memory_format, seed: int, rank: int, world: int, num_workers: int = 0,
+                 pin_memory: bool = False, shuffle: bool = True, drop_last: bool = True) -> None:
+        self.sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle,
+                                          seed=seed, drop_last=drop_last)
+        self.dataset, self.batch, self.device, self.fmt = dataset, batch, device, fmt
+        self.drop_last, self.skip = drop_last, 0
+        self.loader_kw = dict(num_workers=num_workers,
+                              pin_memory=pin_memory and device.type == "cuda")
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch if self.drop_last else -(-n // self.batch)
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.sampler.set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self):
+        indices = list(self.sampler)[self.skip * self.batch:]
+        loader = DataLoader(self.dataset, batch_size=self.batch, sampler=indices,
+                            drop_last=self.drop_last, **self.loader_kw)
+        for batch in loader:
+            yield to_device(batch, self.device, self.fmt)

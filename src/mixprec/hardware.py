@@ -1,0 +1,101 @@
+"""Hardware profiles: which device, cuDNN/loader defaults, peak TFLOP/s per dtype, memory.
+
+The profiles live in conf/hardware/*.yaml; `auto` picks the one whose `gpu_match` occurs in the
+CUDA device name (or `cpu` without a GPU) and falls back to a generic profile for unknown GPUs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import resource
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from .config import ConfigError, HardwareConfig
+
+log = logging.getLogger(__name__)
+GIB = 1024**3
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "conf" / "hardware"
+
+
+def load_profile(name: str) -> HardwareConfig:
+    path = PROFILE_DIR / f"{name}.yaml"
+    schema = OmegaConf.structured(HardwareConfig)
+    return OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.load(path)))  # type: ignore
+
+
+def match_profile(gpu_name: str) -> str | None:
+    """The profile whose gpu_match occurs in gpu_name (longest match wins), else None."""
+    best = None
+    for path in sorted(PROFILE_DIR.glob("*.yaml")):
+        match = OmegaConf.load(path).get("gpu_match")
+        if match and match.lower() in gpu_name.lower() and (best is None or len(match) > best[0]):
+            best = (len(match), path.stem)
+    return best[1] if best else None
+
+
+def resolve(hw: HardwareConfig) -> HardwareConfig:
+    """Turn `auto` into a concrete profile; check that a CUDA profile has a GPU to run on."""
+    if hw.name == "auto" or hw.device == "auto":
+        if not torch.cuda.is_available():
+            return load_profile("cpu")
+        gpu = torch.cuda.get_device_name()
+        name = match_profile(gpu)
+        if name is None:
+            log.warning("hardware=auto: no profile matches %r; using generic CUDA defaults "
+                        "(no peak TFLOP/s, so MFU is null)", gpu)
+            total = torch.cuda.get_device_properties(0).total_memory / GIB
+            return dataclasses.replace(load_profile("cuda"), memory_gib=round(total, 1))
+        return load_profile(name)
+    if hw.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"hardware={hw.name} needs a CUDA GPU and none is visible; "
+                          "use hardware=auto or hardware=cpu")
+    return hw
+
+
+def setup(hw: HardwareConfig) -> torch.device:
+    """Apply the profile to this process; returns the device to train on."""
+    device = torch.device(hw.device)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = hw.cudnn_benchmark
+        if hw.memory_gib is not None:
+            cap_memory(hw.memory_gib, hw.name)
+    return device
+
+
+def cap_memory(memory_gib: float, profile: str) -> None:
+    """Emulate a smaller card: this process may use at most memory_gib of the GPU."""
+    total = torch.cuda.get_device_properties(0).total_memory / GIB
+    if memory_gib > total * 1.02:  # datasheet GB vs GiB rounding
+        raise ConfigError(f"hardware={profile} wants {memory_gib:g} GiB but this GPU "
+                          f"({torch.cuda.get_device_name()}) has {total:.1f} GiB; "
+                          "lower hardware.memory_gib or pick a smaller profile")
+    torch.cuda.set_per_process_memory_fraction(min(1.0, memory_gib / total))
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """GPU allocator stats on CUDA; process resident memory (current and peak) on the CPU."""
+    if device.type == "cuda":
+        return {"mem/allocated_gib": torch.cuda.memory_allocated(device) / GIB,
+                "mem/reserved_gib": torch.cuda.memory_reserved(device) / GIB,
+                "mem/peak_gib": torch.cuda.max_memory_allocated(device) / GIB}
+    rss = _rss_bytes() / GIB
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    peak = peak_kib / (GIB if sys.platform == "darwin" else 1024**2)
+    return {"mem/allocated_gib": rss, "mem/reserved_gib": rss, "mem/peak_gib": max(peak, rss)}
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:  # not Linux: fall back to the peak
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)

@@ -1,0 +1,183 @@
+"""The training loop: train() -> train_step() -> forward/backward, and evaluate().
+
+It reads no config: run.py hands it objects and numbers. The whole precision story is in
+train_step(): autocast, scale, backward, unscale, clip, step (maybe skipped), update.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.nn.utils import clip_grad_norm_, get_total_norm
+from tqdm.auto import tqdm
+
+from .perf import Throughput
+from .precision import Precision, StepWatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopSettings:
+    epochs: int
+    max_steps: int | None  # cap on optimizer steps
+    accum: int  # micro-batches per optimizer step
+    log_every: int
+    clip_grad_norm: float | None
+    samples_per_step: int  # batch * accum * world
+    ckpt_every: int | None = None
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps taken (steps GradScaler skipped do not count)
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches consumed this epoch: where a resume picks up
+    skipped_steps: int = 0
+    attempts: int = 0  # optimizer steps attempted, skipped ones included
+    val_loss: float | None = None
+    val_acc1: float | None = None
+    last_loss: float | None = None
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean loss over the micro-batches (device tensor: no sync)
+    grad_norm: torch.Tensor | None  # norm of the true (unscaled) gradients, when computed
+    stepped: bool  # False when GradScaler found inf/nan gradients and skipped the step
+
+
+def train_step(model: nn.Module, micro_batches: list, loss_fn: Callable, optimizer,
+               amp: Precision, watch: StepWatch, clip_grad_norm: float | None = None,
+               want_grad_norm: bool = False, no_sync: Callable = lambda model: nullcontext()
+               ) -> StepResult:
+    accum, total = len(micro_batches), 0.0
+    for i, (x, y) in enumerate(micro_batches):
+        # DDP: all-reduce gradients on the last micro-batch only (forward must be inside no_sync)
+        with no_sync(model) if i < accum - 1 else nullcontext():
+            with amp.autocast():
+                loss = loss_fn(model(x), y) / accum  # mean over the effective batch
+            amp.scaler.scale(loss).backward()  # scale up so small fp16 grads do not flush to 0
+        total = total + loss.detach()
+    amp.scaler.unscale_(optimizer)  # true gradients from here on: once per optimizer step
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    grad_norm = None
+    if clip_grad_norm is not None:
+        grad_norm = clip_grad_norm_(params, clip_grad_norm)
+    elif want_grad_norm:
+        grad_norm = get_total_norm([p.grad for p in params])
+    amp.scaler.step(optimizer)  # skipped if any gradient is inf/nan
+    amp.scaler.update()  # halve the scale on overflow, grow it after growth_interval clean steps
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(total, grad_norm, watch.pop())
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Iterable, loss_fn: Callable, amp: Precision,
+             reduce: Callable = lambda t: t) -> tuple[float, float]:
+    """(mean loss, top-1 accuracy) over the whole validation set."""
+    model.eval()
+    sums = None
+    for x, y in batches:
+        with amp.autocast():
+            logits = model(x)
+        loss = loss_fn(logits.float(), y, reduction="sum")
+        batch_sums = torch.stack([loss, (logits.argmax(1) == y).sum().float(),
+                                  torch.tensor(float(len(y)), device=y.device)])
+        sums = batch_sums if sums is None else sums + batch_sums
+    model.train()
+    loss_sum, correct, n = reduce(sums).tolist()
+    return loss_sum / n, correct / n
+
+
+def train(model: nn.Module, data, loss_fn: Callable, optimizer, scheduler, amp: Precision,
+          tracker, state: TrainState, cfg: LoopSettings, meter: Throughput,
+          memory: Callable[[], dict], save: Callable[[TrainState], None] = lambda s: None,
+          no_sync: Callable = lambda model: nullcontext(), reduce: Callable = lambda t: t,
+          show_progress: bool = True) -> TrainState:
+    watch = StepWatch(optimizer)
+    steps_per_epoch = len(data.train) // cfg.accum
+    total = cfg.max_steps or steps_per_epoch * cfg.epochs
+    bar = tqdm(total=total, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
+               disable=not show_progress, leave=False)
+    window_loss, window_steps = torch.zeros((), device=meter.device), 0
+    meter.start(state.step)
+    for epoch in range(state.epoch, cfg.epochs):
+        data.train.set_epoch(epoch, skip=state.batch_in_epoch)
+        batches = iter(data.train)
+        while not _done(state, cfg):
+            micro = list(itertools.islice(batches, cfg.accum))
+            if len(micro) < cfg.accum:  # epoch over (a ragged tail of < accum micro-batches is dropped)
+                break
+            want_norm = (state.step + 1) % cfg.log_every == 0
+            out = train_step(model, micro, loss_fn, optimizer, amp, watch, cfg.clip_grad_norm,
+                             want_norm, no_sync)
+            state.batch_in_epoch += cfg.accum
+            state.attempts += 1
+            window_loss += out.loss
+            window_steps += 1
+            meter.count(cfg.samples_per_step)
+            if not out.stepped:  # overflow: the scaler backed off; weights and LR stay put
+                state.skipped_steps += 1
+                continue
+            scheduler.step()
+            state.step += 1
+            bar.update(1)
+            meter.maybe_end_warmup(state.step)
+            if state.step % cfg.log_every == 0:
+                row = _log_row(state, optimizer, amp, out, window_loss / window_steps, meter, memory)
+                tracker.log(row, state.step)
+                bar.set_postfix(loss=f"{row['train/loss']:.4f}", scale=row["amp/loss_scale"],
+                                sps=f"{row['perf/samples_per_s']:.0f}")
+                log.info(_fmt(row, state.step, total))
+                window_loss, window_steps = torch.zeros((), device=meter.device), 0
+            if cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
+                save(state)
+        _evaluate(model, data, loss_fn, amp, tracker, state, meter, reduce)  # epoch end or the cap
+        if _done(state, cfg):
+            break
+        state.epoch, state.batch_in_epoch = epoch + 1, 0
+    bar.close()
+    meter.stop()
+    if window_steps:
+        state.last_loss = float(window_loss / window_steps)
+    return state
+
+
+def _done(state: TrainState, cfg: LoopSettings) -> bool:
+    return cfg.max_steps is not None and state.step >= cfg.max_steps
+
+
+def _evaluate(model, data, loss_fn, amp, tracker, state, meter, reduce) -> None:
+    meter.pause()
+    state.val_loss, state.val_acc1 = evaluate(model, data.val, loss_fn, amp, reduce)
+    tracker.log({"epoch": state.epoch, "val/loss": state.val_loss, "val/acc1": state.val_acc1},
+                state.step)
+    log.info("epoch %d step %d: val/loss %.4f val/acc1 %.4f", state.epoch, state.step,
+             state.val_loss, state.val_acc1)
+    meter.resume()
+
+
+def _log_row(state, optimizer, amp, out, mean_loss, meter, memory) -> dict:
+    sps, step_ms = meter.window()
+    loss = float(mean_loss)  # the one host sync per log event (with the scale read below)
+    state.last_loss = loss
+    return {"epoch": state.epoch, "train/loss": loss,
+            "train/lr": optimizer.param_groups[-1]["lr"],
+            "train/grad_norm": float(out.grad_norm) if out.grad_norm is not None else None,
+            "amp/loss_scale": amp.loss_scale(), "amp/skipped_steps": state.skipped_steps,
+            "perf/samples_per_s": sps, "perf/step_ms": step_ms, **memory()}
+
+
+def _fmt(row: dict, step: int, total: int) -> str:
+    finite = math.isfinite(row["train/loss"])
+    return (f"step {step}/{total} loss {row['train/loss']:.4f}{'' if finite else ' (non-finite)'} "
+            f"lr {row['train/lr']:.4g} scale {row['amp/loss_scale']:g} "
+            f"skipped {row['amp/skipped_steps']} {row['perf/samples_per_s']:.1f} samples/s "
+            f"{row['perf/step_ms']:.1f} ms/step peak {row['mem/peak_gib']:.2f} GiB")

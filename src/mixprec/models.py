@@ -1,0 +1,71 @@
+"""Models come from timm (any `model.name` in timm.list_models()), plus one small CNN sized for
+the embedded 8x8 digits, registered with timm so it is built the same way as every other model."""
+from __future__ import annotations
+
+import difflib
+import logging
+import time
+
+import timm
+import torch
+from timm.models import register_model
+from torch import nn
+
+from .config import ConfigError, ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+class DigitsCNN(nn.Module):
+    """Two 3x3 conv blocks and a linear head: >97% top-1 on 8x8 digits in seconds on a CPU.
+
+    Channel counts are multiples of 8 so the convs map onto tensor cores under fp16/bf16.
+    """
+
+    def __init__(self, num_classes: int = 10, in_chans: int = 1, width: int = 32, **_):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_chans, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1, bias=False), nn.BatchNorm2d(2 * width),
+            nn.ReLU(), nn.MaxPool2d(2),
+        )
+        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.1), nn.LazyLinear(num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+@register_model
+def mixprec_digits_cnn(pretrained: bool = False, **kwargs) -> DigitsCNN:
+    return DigitsCNN(**kwargs)
+
+
+def check_name(name: str) -> None:
+    if not timm.is_model(name):
+        close = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError(f"model.name={name!r} is not a timm model{hint} "
+                          "(allowed: any name in timm.list_models(), e.g. resnet50, "
+                          "convnext_tiny, vit_small_patch16_224, mixprec_digits_cnn)")
+
+
+def build(mcfg: ModelConfig, num_classes: int, input_shape: tuple[int, int, int],
+          device: torch.device) -> nn.Module:
+    """The model on its device, in its memory format, materialised, and compiled if asked."""
+    check_name(mcfg.name)
+    model = timm.create_model(mcfg.name, pretrained=False, num_classes=num_classes,
+                              in_chans=input_shape[0], **mcfg.kwargs)
+    model.to(device)
+    with torch.no_grad():  # materialise lazy layers before the optimizer sees the parameters
+        model.eval()(torch.zeros(1, *input_shape, device=device))
+        model.train()
+    if mcfg.channels_last:
+        model.to(memory_format=torch.channels_last)
+    if mcfg.compile:
+        t0 = time.perf_counter()
+        model = torch.compile(model, mode=mcfg.compile_mode)
+        log.info("model.compile: torch.compile(mode=%s) wrapped in %.1fs; the first steps "
+                 "compile (excluded from samples_per_s by trainer.perf_warmup_steps)",
+                 mcfg.compile_mode, time.perf_counter() - t0)
+    return model
+

@@ -1,0 +1,62 @@
+"""Honest throughput: the GPU is synchronised at every measurement boundary (log events, the end
+of warm-up, around evaluation), so a number never counts work that was only queued."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class Throughput:
+    def __init__(self, device: torch.device, warmup_steps: int) -> None:
+        self.device, self.warmup_steps = device, warmup_steps
+        self.samples = 0  # all samples processed (warm-up included)
+        self._win_samples = self._win_attempts = 0
+        self._steady = None  # (time, samples) when warm-up ended
+        self._paused = 0.0  # seconds spent outside training (evaluation) since warm-up
+        self._t_pause = None
+        self.elapsed = self.steady_rate = None
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self, step: int) -> None:
+        self._t_start = self._t_win = self._now()
+        self._paused_win = 0.0
+        if step >= self.warmup_steps:  # resumed past warm-up: measure from here
+            self._steady = (self._t_start, 0)
+
+    def count(self, samples: int) -> None:
+        self.samples += samples
+        self._win_samples += samples
+        self._win_attempts += 1
+
+    def maybe_end_warmup(self, step: int) -> None:
+        if self._steady is None and step >= self.warmup_steps:
+            self._steady = (self._now(), self.samples)
+
+    def window(self) -> tuple[float, float]:
+        """(samples/s, ms per optimizer step) since the previous call."""
+        now = self._now()
+        dt = max(now - self._t_win - self._paused_win, 1e-9)
+        rate, step_ms = self._win_samples / dt, 1000 * dt / max(self._win_attempts, 1)
+        self._t_win, self._paused_win, self._win_samples, self._win_attempts = now, 0.0, 0, 0
+        return rate, step_ms
+
+    def pause(self) -> None:
+        self._t_pause = self._now()
+
+    def resume(self) -> None:
+        gap = self._now() - self._t_pause
+        self._paused_win += gap
+        if self._steady is not None:
+            self._paused += gap
+
+    def stop(self) -> None:
+        end = self._now()
+        t0, s0 = self._steady if self._steady else (self._t_start, 0)
+        dt = end - t0 - self._paused
+        self.elapsed = end - self._t_start
+        self.steady_rate = (self.samples - s0) / dt if dt > 0 and self.samples > s0 else None

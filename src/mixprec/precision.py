@@ -1,0 +1,107 @@
+"""THE place that knows fp32 / tf32 / fp16 / bf16: autocast, TF32 switches and the GradScaler.
+
+Everything that is off is still an object (autocast with enabled=False, GradScaler with
+enabled=False), so the training step never branches on precision.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+from torch.amp import GradScaler
+
+from .config import ConfigError, PrecisionConfig, ScalerConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class StaticGradScaler(GradScaler):
+    """A fixed loss scale: overflowing steps are still skipped, but the scale never moves."""
+
+    def update(self, new_scale=None) -> None:
+        super().update(self._init_scale if new_scale is None else new_scale)
+
+
+@dataclass
+class Precision:
+    name: str
+    device_type: str
+    dtype: torch.dtype | None  # autocast dtype; None = autocast off
+    tf32: bool
+    scaler: GradScaler  # enabled only for float16 autocast with a scaler configured
+
+    def autocast(self) -> AbstractContextManager:
+        dtype = self.dtype or torch.get_autocast_dtype(self.device_type)
+        return torch.autocast(self.device_type, dtype=dtype, enabled=self.dtype is not None)
+
+    @property
+    def peak_key(self) -> str:
+        """Which hardware.peak_tflops entry bounds this run's matmuls (for MFU)."""
+        if self.dtype is not None:
+            return "fp16" if self.dtype == torch.float16 else "bf16"
+        return "tf32" if self.tf32 else "fp32"
+
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 when scaling is off). Reading it syncs the GPU."""
+        return float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
+
+    def describe(self) -> str:
+        amp = f"autocast {str(self.dtype).replace('torch.', '')}" if self.dtype else "autocast off"
+        s = self.scaler
+        scale = (f"GradScaler init_scale={s._init_scale:g} growth={s._growth_factor:g} "
+                 f"backoff={s._backoff_factor:g} interval={s._growth_interval}"
+                 + (" (static)" if isinstance(s, StaticGradScaler) else "")
+                 if s.is_enabled() else "GradScaler off")
+        return f"precision={self.name}: {amp}, {scale}, TF32 {'on' if self.tf32 else 'off'}"
+
+
+def set_tf32(enabled: bool) -> None:
+    """TF32 for fp32 matmuls and convolutions; explicit both ways (cuDNN defaults to on)."""
+    mode = "tf32" if enabled else "ieee"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9: the new API only
+        torch.backends.cuda.matmul.fp32_precision = mode
+        torch.backends.cudnn.conv.fp32_precision = mode
+        torch.backends.cudnn.rnn.fp32_precision = mode
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+def build(pcfg: PrecisionConfig, scfg: ScalerConfig, device: torch.device) -> Precision:
+    dtype = _DTYPES.get(pcfg.autocast) if pcfg.autocast else None
+    if dtype is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"precision={pcfg.name}: {torch.cuda.get_device_name(device)} has no "
+                          "bfloat16 support; use one of fp32, tf32, amp, amp_accum")
+    use_scaler = dtype is torch.float16 and scfg.enabled
+    if dtype is torch.float16 and not scfg.enabled:
+        log.warning("precision=%s with scaler=off: fp16 gradients below 2^-24 flush to zero and "
+                    "overflows are not skipped; use scaler=dynamic unless you mean it", pcfg.name)
+    cls = StaticGradScaler if scfg.static else GradScaler
+    scaler = cls(device.type, init_scale=scfg.init_scale, growth_factor=scfg.growth_factor,
+                 backoff_factor=scfg.backoff_factor, growth_interval=scfg.growth_interval,
+                 enabled=use_scaler)
+    set_tf32(pcfg.tf32)
+    return Precision(pcfg.name, device.type, dtype, pcfg.tf32, scaler)
+
+
+class StepWatch:
+    """Tells whether optimizer.step() really ran (GradScaler skips it on inf/nan gradients).
+
+    Uses the optimizer's public post-step hook, so it costs no extra GPU sync: GradScaler
+    already syncs once per step to decide whether to skip.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._ran = False
+        optimizer.register_step_post_hook(self._hook)
+
+    def _hook(self, *_args) -> None:
+        self._ran = True
+
+    def pop(self) -> bool:
+        ran, self._ran = self._ran, False
+        return ran

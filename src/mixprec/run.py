@@ -1,0 +1,152 @@
+"""Builds every object from the config, runs the loop, and always closes the logger.
+
+This is the only module that reads the config; everything it builds gets plain objects/numbers.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from . import checkpoint, hardware, loop, models, optim, precision
+from . import data as datasets
+from .config import ConfigError, TrainConfig, validate
+from .perf import Throughput
+from .tracking import Tracker, wandb_mode
+
+log = logging.getLogger("mixprec")
+
+
+def main(cfg: DictConfig) -> float | None:
+    """Hydra's task function. Bad config -> one clear message and exit code 2, nothing trained."""
+    try:
+        return run(cfg)
+    except ConfigError as e:
+        log.error("config error: %s", e)
+        raise SystemExit(2) from None
+
+
+def run(cfg: DictConfig) -> float | None:
+    c: TrainConfig = validate(cfg)
+    run_dir = Path(c.run_dir)
+    hw = hardware.resolve(c.hardware)
+    device = hardware.setup(hw)
+    _seed_everything(c.seed)
+    amp = precision.build(c.precision, c.scaler, device)
+    models.check_name(c.model.name)  # fail fast, before any data is built
+    world = 1
+    effective_batch = c.batch * c.accum * world
+    data = datasets.build(c.data, hw, c.batch, device, c.seed, c.model.channels_last)
+    model = models.build(c.model, data.num_classes, data.input_shape, device)
+    lr = optim.scaled_lr(c.optimizer, effective_batch)
+    optimizer = optim.build_optimizer(c.optimizer, model, lr, device)
+    steps_per_epoch = len(data.train) // c.accum
+    if steps_per_epoch < 1 and c.trainer.max_steps is None:
+        raise ConfigError(f"batch={c.batch} accum={c.accum}: one optimizer step needs "
+                          f"{c.batch * c.accum} samples but an epoch of data={c.data.name} has "
+                          f"{len(data.train) * c.batch}; lower batch or accum")
+    total_steps = c.trainer.max_steps or steps_per_epoch * c.trainer.epochs
+    scheduler = optim.build_scheduler(c.scheduler, optimizer, total_steps)
+    _announce(c, hw, device, amp, effective_batch, lr, total_steps)
+
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    ckpt_path = run_dir / "checkpoints" / "last.pt"
+    found = checkpoint.find(c.resume, run_dir) if c.resume else None
+    blob = checkpoint.load(found) if found else None
+    state = loop.TrainState()
+    if blob is not None:
+        state = checkpoint.restore(blob, found, model=model, optimizer=optimizer,
+                                   scaler=amp.scaler, scheduler=scheduler,
+                                   state_cls=loop.TrainState)
+        log.info("resumed from %s at step %d (epoch %d, micro-batch %d)", found, state.step,
+                 state.epoch, state.batch_in_epoch)
+    tracker = Tracker(run_dir, _wandb_settings(c, hw) if c.logger.name == "wandb" else None,
+                      resolved, run_id=blob["wandb_id"] if blob else None)
+
+    def save(st: loop.TrainState) -> None:
+        checkpoint.save(ckpt_path, model=model, optimizer=optimizer, scaler=amp.scaler,
+                        scheduler=scheduler, state=st, config=resolved, wandb_id=tracker.run_id,
+                        keep=c.ckpt.keep)
+
+    settings = loop.LoopSettings(
+        epochs=c.trainer.epochs if c.trainer.max_steps is None else sys.maxsize,
+        max_steps=c.trainer.max_steps, accum=c.accum, log_every=c.trainer.log_every,
+        clip_grad_norm=c.trainer.clip_grad_norm, samples_per_step=effective_batch,
+        ckpt_every=c.ckpt.every_steps)
+    meter = Throughput(device, c.trainer.perf_warmup_steps)
+    hardware.reset_peak(device)
+    t0, status = time.perf_counter(), "failed"
+    try:
+        state = loop.train(model, data, F.cross_entropy, optimizer, scheduler, amp, tracker,
+                           state, settings, meter, memory=lambda: hardware.memory_stats(device),
+                           save=save, show_progress=sys.stderr.isatty())
+        save(state)
+        status = "completed"
+    except torch.OutOfMemoryError:
+        mem = hardware.memory_stats(device)
+        log.error("out of GPU memory at batch=%d (peak %.2f GiB, cap %s GiB on %s); try a "
+                  "smaller batch or batch=auto", c.batch, mem["mem/peak_gib"], hw.memory_gib,
+                  hw.name)
+        raise
+    finally:
+        summary = _summary(c, status, state, meter, amp, effective_batch, world, device,
+                           time.perf_counter() - t0, hw)
+        tracker.summary(summary)
+        tracker.close(status)
+    log.info("done: %s", {k: summary[k] for k in ("steps", "samples_per_s", "peak_mem_gib",
+                                                  "val_acc1", "skipped_steps", "loss_scale")})
+    return summary["val_acc1"]
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _announce(c: TrainConfig, hw, device, amp, effective_batch, lr, total_steps) -> None:
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    log.info("hardware=%s (%s), torch %s", hw.name, gpu, torch.__version__)
+    log.info(amp.describe())
+    if device.type == "cpu" and amp.dtype is not None:
+        log.warning("precision=%s on the CPU: autocast %s is emulated there and far slower "
+                    "than fp32 (measure it on a GPU; fp32 is the default for that reason)",
+                    c.precision.name, amp.dtype)
+    log.info("model=%s data=%s batch=%d accum=%d -> effective batch %d; lr %.4g (%s scaling "
+             "from %.4g at %d); %d optimizer steps", c.model.name, c.data.name, c.batch, c.accum,
+             effective_batch, lr, c.optimizer.scale_lr, c.optimizer.lr, c.optimizer.base_batch,
+             total_steps)
+
+
+def _wandb_settings(c: TrainConfig, hw) -> dict:
+    from hydra.core.hydra_config import HydraConfig
+
+    group, name = c.logger.group, Path(c.run_dir).name
+    if HydraConfig.initialized():
+        hc = HydraConfig.get()
+        name = hc.job.override_dirname or name
+        if group is None and str(hc.mode) == "RunMode.MULTIRUN":
+            group = f"{c.name}-{Path(hc.sweep.dir).name}"
+    tags = [c.precision.name, c.model.name, hw.name, c.name, *c.logger.tags]
+    return dict(project=c.logger.project, entity=c.logger.entity, group=group or c.name,
+                name=name, tags=sorted(set(tags)), mode=wandb_mode(c.logger.mode))
+
+
+def _summary(c: TrainConfig, status, state, meter, amp, effective_batch, world, device, wall_s,
+             hw) -> dict:
+    mem = hardware.memory_stats(device)
+    scale = amp.loss_scale() if status != "failed" or device.type == "cpu" else None
+    return {"status": status, "precision": c.precision.name, "batch": c.batch, "accum": c.accum,
+            "effective_batch": effective_batch, "world_size": world, "steps": state.step,
+            "samples_per_s": meter.steady_rate, "peak_mem_gib": mem["mem/peak_gib"],
+            "val_acc1": state.val_acc1, "val_loss": state.val_loss, "train_loss": state.last_loss,
+            "skipped_steps": state.skipped_steps, "loss_scale": scale, "mfu": None,
+            "wall_s": wall_s, "model": c.model.name, "hardware": hw.name, "device": str(device),
+            "torch": torch.__version__}

@@ -1,0 +1,128 @@
+"""Where metrics go: metrics.jsonl and summary.json in the run dir (always) and Weights & Biases
+(logger=wandb). A W&B failure never stops training: it warns once and the local files go on."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import netrc
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# W&B summary aggregation for the contract's metrics (the runs table compares these directly).
+SUMMARY_RULES = {"val/acc1": "max", "val/loss": "min", "train/loss": "last",
+                 "perf/samples_per_s": "mean", "mem/peak_gib": "max", "amp/loss_scale": "last",
+                 "amp/skipped_steps": "last"}
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=_plain) + "\n")
+    os.replace(tmp, path)
+
+
+def _plain(v: Any) -> Any:
+    return v.item() if hasattr(v, "item") else str(v)
+
+
+def _finite(v: Any) -> Any:
+    """JSON has no inf/nan: write them as strings so every line stays valid JSON."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def wandb_mode(configured: str | None) -> str:
+    """offline unless WANDB_MODE or credentials say otherwise (there may be no network)."""
+    if configured:
+        return configured
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        if netrc.netrc().authenticators("api.wandb.ai"):
+            return "online"
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return "offline"
+
+
+class _WandbSink:
+    def __init__(self, run_dir: Path, settings: dict, config: dict, run_id: str | None) -> None:
+        import wandb
+
+        self.wandb = wandb
+        self.run = wandb.init(dir=str(run_dir), config=config, id=run_id, resume="allow",
+                              reinit="finish_previous", **settings)
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+        for key, rule in SUMMARY_RULES.items():
+            self.run.define_metric(key, step_metric="step", summary=rule)
+
+    @property
+    def run_id(self) -> str:
+        return self.run.id
+
+    def log(self, metrics: dict) -> None:
+        self.run.log(metrics)
+
+    def summary(self, summary: dict) -> None:
+        self.run.summary.update(summary)
+
+    def close(self, exit_code: int) -> None:
+        self.run.finish(exit_code=exit_code)
+
+
+class Tracker:
+    """One per run: `log()` per event, `summary()` at the end, `close()` always (in finally)."""
+
+    def __init__(self, run_dir: Path, logger_settings: dict | None, config: dict,
+                 run_id: str | None = None, rank0: bool = True) -> None:
+        self.run_dir, self.rank0, self.sink = run_dir, rank0, None
+        if not rank0:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        if logger_settings is not None:
+            self._guard(lambda: setattr(self, "sink", _WandbSink(run_dir, logger_settings, config,
+                                                                 run_id)), "init")
+
+    @property
+    def run_id(self) -> str | None:
+        return self.sink.run_id if self.sink else None
+
+    def _guard(self, fn, what: str) -> None:
+        try:
+            fn()
+        except Exception as e:  # never let the dashboard kill a training run
+            warnings.warn(f"W&B {what} failed ({type(e).__name__}: {e}); W&B logging is off "
+                          "for the rest of this run, local metrics.jsonl/summary.json go on",
+                          RuntimeWarning, stacklevel=3)
+            self.sink = None
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if not self.rank0:
+            return
+        row = {"step": step, **{k: _finite(v) for k, v in metrics.items()}}
+        self.metrics.write(json.dumps(row) + "\n")
+        if self.sink:
+            self._guard(lambda: self.sink.log({"step": step, **metrics}), "log")
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        if not self.rank0:
+            return
+        write_json_atomic(self.run_dir / "summary.json", {k: _finite(v) for k, v in summary.items()})
+        if self.sink:
+            self._guard(lambda: self.sink.summary(summary), "summary")
+
+    def close(self, status: str) -> None:
+        if not self.rank0:
+            return
+        self.metrics.close()
+        if self.sink:
+            self._guard(lambda: self.sink.close(0 if status == "completed" else 1), "finish")

@@ -1,0 +1,134 @@
+"""Every option of every group composes and validates; bad input fails with a clear message."""
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+
+from mixprec import hardware, models, precision
+from mixprec.config import ConfigError, TrainConfig, validate
+
+from conftest import compose_cfg, group_options, run_train
+
+GROUPS = ["precision", "scaler", "optimizer", "scheduler", "hardware", "model", "data", "logger",
+          "experiment"]
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in group_options(g)])
+def test_every_option_composes_and_validates(group, option):
+    cfg = compose_cfg([f"{group}={option}"])
+    c = validate(cfg)
+    assert isinstance(c, TrainConfig)
+    if group == "precision":
+        assert c.precision.name == option
+
+
+def test_groups_have_the_required_options():
+    assert set(group_options("precision")) == {"fp32", "tf32", "amp", "amp_accum", "bf16"}
+    assert {"dynamic", "conservative", "static", "off"} <= set(group_options("scaler"))
+    assert {"sgd", "adamw"} <= set(group_options("optimizer"))
+    assert {"cosine", "step", "onecycle", "constant"} <= set(group_options("scheduler"))
+    assert {"auto", "cpu", "rtx3090", "a100", "h100", "h200"} <= set(group_options("hardware"))
+    assert {"wandb", "none"} <= set(group_options("logger"))
+
+
+def test_precision_semantics_table():
+    want = {"fp32": (None, False, 1), "tf32": (None, True, 1), "amp": ("float16", True, 1),
+            "amp_accum": ("float16", True, 4), "bf16": ("bfloat16", True, 1)}
+    for name, (autocast, tf32, accum) in want.items():
+        c = validate(compose_cfg([f"precision={name}"]))
+        assert (c.precision.autocast, c.precision.tf32, c.accum) == (autocast, tf32, accum)
+
+
+def test_amp_accum_respects_an_explicit_accum():
+    assert validate(compose_cfg(["precision=amp_accum", "accum=2"])).accum == 2
+
+
+def test_scaler_presets_follow_the_seeds():
+    dyn = validate(compose_cfg(["scaler=dynamic"])).scaler
+    assert (dyn.init_scale, dyn.growth_factor, dyn.backoff_factor, dyn.growth_interval) == (
+        65536.0, 2.0, 0.5, 2000)
+    assert validate(compose_cfg(["scaler=conservative"])).scaler.init_scale == 2.0**12
+    assert validate(compose_cfg(["scaler=static"])).scaler.static is True
+    assert validate(compose_cfg(["scaler=off"])).scaler.enabled is False
+
+
+@pytest.mark.parametrize("override,key", [
+    ("batch=0", "batch"), ("batch=-3", "batch"), ("batch=abc", "batch"), ("accum=0", "accum"),
+    ("optimizer.lr=0", "optimizer.lr"), ("optimizer.lr=-1", "optimizer.lr"),
+    ("trainer.max_steps=0", "trainer.max_steps"), ("scaler.backoff_factor=1.5", "scaler.backoff_factor"),
+    ("optimizer.scale_lr=cubic", "optimizer.scale_lr"), ("data.shape=[3,0,4]", "data.shape"),
+])
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(compose_cfg([override]))
+
+
+def test_wrong_type_fails_at_compose_time():
+    with pytest.raises(ConfigCompositionException, match="trainer.epochs"):
+        compose_cfg(["trainer.epochs=many"])
+
+
+def test_unknown_key_fails_at_compose_time():
+    with pytest.raises(ConfigCompositionException, match="optimizer.lrr"):
+        compose_cfg(["optimizer.lrr=0.1"])
+
+
+def test_unknown_group_option_lists_the_allowed_ones():
+    with pytest.raises(MissingConfigException) as e:
+        compose_cfg(["precision=fp8"])
+    assert "bf16" in str(e.value.options) and "amp" in str(e.value.options)
+
+
+def test_unknown_timm_model_suggests_names():
+    with pytest.raises(ConfigError, match=r"model.name='resnet5O'.*resnet50"):
+        models.check_name("resnet5O")
+
+
+def test_bf16_on_a_gpu_without_it(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")
+    c = validate(compose_cfg(["precision=bf16"]))
+    with pytest.raises(ConfigError, match="bfloat16.*fp32, tf32, amp"):
+        precision.build(c.precision, c.scaler, torch.device("cuda"))
+
+
+def test_amp_without_scaler_warns(caplog):
+    import torch
+    c = validate(compose_cfg(["precision=amp", "scaler=off"]))
+    amp = precision.build(c.precision, c.scaler, torch.device("cpu"))
+    assert not amp.scaler.is_enabled()
+    assert "scaler=off" in caplog.text
+
+
+def test_hardware_auto_detection_by_gpu_name():
+    assert hardware.match_profile("NVIDIA H200") == "h200"
+    assert hardware.match_profile("NVIDIA H100 80GB HBM3") == "h100"
+    assert hardware.match_profile("NVIDIA A100-SXM4-80GB") == "a100"
+    assert hardware.match_profile("NVIDIA GeForce RTX 3090") == "rtx3090"
+    assert hardware.match_profile("Tesla T4") is None
+    profile = hardware.load_profile("h200")
+    assert profile.peak_tflops["bf16"] > profile.peak_tflops["fp32"] > 0
+
+
+def test_cuda_profile_without_a_gpu_is_a_clear_error(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    c = validate(compose_cfg(["hardware=h100"]))
+    with pytest.raises(ConfigError, match="hardware=h100 needs a CUDA GPU"):
+        hardware.resolve(c.hardware)
+    assert hardware.resolve(validate(compose_cfg(["hardware=auto"])).hardware).name == "cpu"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,code,needle", [
+    (["batch=0"], 2, "batch=0 is not allowed; batch must be an int >= 1"),
+    (["model.name=resnet5O"], 2, "did you mean"),
+    (["precision=fp8"], 1, "Available options in 'precision'"),
+])
+def test_cli_rejects_bad_input_before_training(tmp_path, args, code, needle):
+    proc = run_train([*args, f"hydra.run.dir={tmp_path}", "logger=wandb"])
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert needle in proc.stdout + proc.stderr
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / "metrics.jsonl").exists()
+    assert not (tmp_path / "wandb").exists()

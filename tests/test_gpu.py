@@ -1,0 +1,77 @@
+"""GPU-only behaviour (CUDA memory stats, the card-emulating memory cap, OOM reporting, fp16/bf16
+on tensor cores). Skipped without CUDA; run on the GPU machine with `make test-gpu`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mixprec import hardware, run
+from mixprec.config import ConfigError
+
+pytestmark = pytest.mark.gpu
+GPU_SMALL = ["hardware=auto", "experiment=resnet50_synthetic", "model=resnet18", "batch=32",
+             "data.shape=[3,64,64]", "data.num_classes=10", "trainer.max_steps=8",
+             "trainer.log_every=4", "trainer.perf_warmup_steps=2"]
+
+
+@pytest.mark.parametrize("prec", ["fp32", "tf32", "amp", "amp_accum", "bf16"])
+def test_every_precision_trains_on_the_gpu(cfg_factory, prec):
+    cfg = cfg_factory(*GPU_SMALL, f"precision={prec}", small=False)
+    run.run(cfg)
+    d = Path(cfg.run_dir)
+    s = json.loads((d / "summary.json").read_text())
+    rows = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "train/loss" in r]
+    assert s["status"] == "completed" and s["steps"] == 8 and s["device"].startswith("cuda")
+    assert s["accum"] == (4 if prec == "amp_accum" else 1)
+    assert 0 < train[-1]["mem/allocated_gib"] <= train[-1]["mem/reserved_gib"]
+    assert train[-1]["mem/peak_gib"] >= train[-1]["mem/allocated_gib"]
+    assert s["loss_scale"] == (65536.0 if prec.startswith("amp") else 1.0) or s["skipped_steps"] > 0
+    assert s["samples_per_s"] > 0
+
+
+def test_autocast_dtypes_on_cuda():
+    from mixprec import precision
+    from mixprec.config import PrecisionConfig, ScalerConfig
+    lin = torch.nn.Linear(64, 64).cuda()
+    x = torch.randn(8, 64, device="cuda")
+    for name, dtype in (("amp", torch.float16), ("bf16", torch.bfloat16)):
+        amp = precision.build(PrecisionConfig(name=name, autocast=str(dtype).split(".")[1]),
+                              ScalerConfig(), torch.device("cuda"))
+        with amp.autocast():
+            assert lin(x).dtype == dtype
+        assert amp.scaler.is_enabled() == (dtype == torch.float16)
+
+
+def test_memory_cap_emulates_a_24_gib_card():
+    total = torch.cuda.get_device_properties(0).total_memory / hardware.GIB
+    if total < 30:
+        pytest.skip("the GPU is not larger than an RTX 3090")
+    try:
+        hardware.cap_memory(24, "rtx3090")
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(int(25 * hardware.GIB), dtype=torch.uint8, device="cuda")
+        ok = torch.empty(int(20 * hardware.GIB), dtype=torch.uint8, device="cuda")
+        del ok
+        with pytest.raises(ConfigError, match="has .* GiB"):
+            hardware.cap_memory(total * 2, "huge")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+def test_oom_marks_the_run_failed_with_advice(cfg_factory, caplog):
+    cfg = cfg_factory("experiment=resnet50_synthetic", "hardware=rtx3090", "batch=2048",
+                      "trainer.max_steps=2", small=False)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            run.run(cfg)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    s = json.loads((Path(cfg.run_dir) / "summary.json").read_text())
+    assert s["status"] == "failed"
+    assert "batch=2048" in caplog.text and "batch=auto" in caplog.text

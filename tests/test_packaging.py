@@ -1,0 +1,22 @@
+"""environment.yml (conda) and pyproject.toml (pip) must ask for the same packages."""
+from __future__ import annotations
+
+import re
+import tomllib
+
+import yaml
+
+from conftest import ROOT
+
+
+def _norm(req: str) -> str:
+    return re.sub(r"\s+", "", req.split("#")[0]).lower()
+
+
+def test_environment_yml_matches_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    want = {_norm(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]}
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    got = {_norm(r) for r in pip if not r.startswith("-e")}
+    assert got == want, f"only in environment.yml: {got - want}; only in pyproject: {want - got}"

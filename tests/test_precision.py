@@ -1,0 +1,252 @@
+"""The precision story behaves: overflow halves the scale and skips the step (and nothing else
+moves), static scales stay put, bf16 tracks fp32, clipping acts on true gradients."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import hardware, loop, optim, precision
+from mixprec.config import OptimizerConfig, PrecisionConfig, ScalerConfig, SchedulerConfig
+
+CPU = torch.device("cpu")
+
+
+def fp16(**scaler) -> precision.Precision:
+    return precision.build(PrecisionConfig(name="amp", autocast="float16", tf32=True),
+                           ScalerConfig(**scaler), CPU)
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def batches(n: int, size: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 16, generator=g), torch.randint(0, 4, (size,), generator=g))
+            for _ in range(n)]
+
+
+class InfGrad(nn.Module):
+    """Multiplies the incoming gradient by `factor` (inf to simulate an fp16 overflow)."""
+
+    def __init__(self):
+        super().__init__()
+        self.factor = 1.0
+
+    def forward(self, x):
+        return _Scale.apply(x, self)
+
+
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mod):
+        ctx.mod = mod
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.mod.factor, None
+
+
+def setup(amp, sched="constant"):
+    model = nn.Sequential(mlp(), InfGrad())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sch = optim.build_scheduler(SchedulerConfig(name=sched, warmup_steps=0), opt, total_steps=10)
+    return model, opt, sch
+
+
+def run_steps(model, opt, sch, amp, data, state=None):
+    """The loop's per-step bookkeeping, over `data` one batch per step."""
+    watch = precision.StepWatch(opt)
+    state = state or loop.TrainState()
+    for x, y in data:
+        out = loop.train_step(model, [(x, y)], nn.functional.cross_entropy, opt, amp, watch)
+        if out.stepped:
+            sch.step()
+            state.step += 1
+        else:
+            state.skipped_steps += 1
+    return state
+
+
+def test_overflow_halves_the_scale_and_skips_the_step():
+    amp = fp16(init_scale=1024.0)
+    model, opt, sch = setup(amp, "cosine")
+    weights = [p.detach().clone() for p in model.parameters()]
+    lr_before = opt.param_groups[0]["lr"]
+    model[1].factor = float("inf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+        state = run_steps(model, opt, sch, amp, batches(1, 8))
+    assert amp.loss_scale() == 512.0
+    assert (state.step, state.skipped_steps) == (0, 1)
+    assert sch.last_epoch == 0 and opt.param_groups[0]["lr"] == lr_before
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    model[1].factor = 1.0  # the next clean step goes through at the halved scale
+    state = run_steps(model, opt, sch, amp, batches(1, 8, seed=2), state)
+    assert (state.step, state.skipped_steps, amp.loss_scale()) == (1, 1, 512.0)
+    assert sch.last_epoch == 1
+    assert not all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+
+
+def test_scale_grows_after_growth_interval_clean_steps():
+    amp = fp16(init_scale=8.0, growth_interval=3)
+    model, opt, sch = setup(amp)
+    run_steps(model, opt, sch, amp, batches(3, 8))
+    assert amp.loss_scale() == 16.0
+
+
+def test_static_scale_never_moves_but_still_skips():
+    amp = fp16(init_scale=256.0, static=True, growth_interval=1)
+    model, opt, sch = setup(amp)
+    state = run_steps(model, opt, sch, amp, batches(2, 8))
+    assert amp.loss_scale() == 256.0 and state.step == 2
+    model[1].factor = float("inf")
+    state = run_steps(model, opt, sch, amp, batches(1, 8), state)
+    assert amp.loss_scale() == 256.0 and state.skipped_steps == 1
+
+
+def test_disabled_scaler_is_a_no_op_object():
+    amp = precision.build(PrecisionConfig(name="fp32"), ScalerConfig(), CPU)
+    assert not amp.scaler.is_enabled() and amp.loss_scale() == 1.0
+    loss = torch.tensor(2.0, requires_grad=True)
+    assert amp.scaler.scale(loss) is loss
+
+
+def test_bf16_loss_is_close_to_fp32():
+    data = batches(1, 64)
+    x, y = data[0]
+    losses = {}
+    for name, dtype in (("fp32", None), ("bf16", "bfloat16")):
+        amp = precision.build(PrecisionConfig(name=name, autocast=dtype), ScalerConfig(), CPU)
+        model = mlp()
+        with amp.autocast():
+            out = model(x)
+        assert out.dtype == (torch.bfloat16 if dtype else torch.float32)
+        losses[name] = nn.functional.cross_entropy(out.float(), y).item()
+    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=2e-2)
+    assert losses["bf16"] != losses["fp32"]  # it really ran in bf16
+
+
+def _one_step_delta(accum: int, micro: int, amp=None):
+    amp = amp or precision.build(PrecisionConfig(name="fp32"), ScalerConfig(), CPU)
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    (x, y), = batches(1, accum * micro)
+    micro_batches = list(zip(x.split(micro), y.split(micro)))
+    loop.train_step(model, micro_batches, nn.functional.cross_entropy, opt, amp,
+                    precision.StepWatch(opt))
+    return [b - a for a, b in zip(model.parameters(), before)]
+
+
+def test_accumulation_4x8_equals_one_batch_of_32():
+    big, acc = _one_step_delta(1, 32), _one_step_delta(4, 8)
+    for a, b in zip(big, acc):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert any(a.abs().sum() > 0 for a in big)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_clipping_bounds_the_true_gradient_norm(scaled):
+    amp = fp16(init_scale=65536.0) if scaled else None
+    amp = amp or precision.build(PrecisionConfig(name="fp32"), ScalerConfig(), CPU)
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)  # delta = -clipped grad
+    out = loop.train_step(model, batches(1, 32), nn.functional.cross_entropy, opt, amp,
+                          precision.StepWatch(opt), clip_grad_norm=0.05)
+    delta = torch.cat([(b - a).flatten() for a, b in zip(model.parameters(), before)])
+    assert out.stepped and out.grad_norm > 0.05  # the raw norm really was above the limit
+    assert delta.norm().item() <= 0.05 * 1.001
+    assert delta.norm().item() > 0.05 * 0.99  # clipped to the limit, not to zero
+
+
+@pytest.mark.parametrize("rule,expected", [("linear", 0.3), ("sqrt", 0.1 * 3**0.5), ("none", 0.1)])
+def test_lr_scaling_rule(rule, expected):
+    ocfg = OptimizerConfig(lr=0.1, base_batch=256, scale_lr=rule)
+    assert optim.scaled_lr(ocfg, 768) == pytest.approx(expected)
+
+
+def test_schedules_warm_up_and_decay():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sch = optim.build_scheduler(SchedulerConfig(name="cosine", warmup_steps=4, warmup_start=0.25),
+                                opt, total_steps=20)
+    lrs = [opt.param_groups[0]["lr"]]
+    for _ in range(20):
+        opt.step()
+        sch.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs[0] == pytest.approx(0.25) and lrs[4] == pytest.approx(1.0)
+    assert lrs[20] == pytest.approx(0.0, abs=1e-9) and all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+    opt = torch.optim.SGD(mlp().parameters(), lr=1.0)
+    sch = optim.build_scheduler(SchedulerConfig(name="onecycle"), opt, total_steps=8)
+    for _ in range(8):
+        opt.step()
+        sch.step()  # exactly total_steps steps must not raise
+    opt = torch.optim.SGD(mlp().parameters(), lr=1.0)
+    sch = optim.build_scheduler(SchedulerConfig(name="step", step_size=3, gamma=0.5), opt, 10)
+    for _ in range(6):
+        opt.step()
+        sch.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.25)
+
+
+def test_optimizer_skips_weight_decay_on_norms_and_biases():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    opt = optim.build_optimizer(OptimizerConfig(weight_decay=0.1), model, 0.1, CPU)
+    decays = {len(g["params"]): g["weight_decay"] for g in opt.param_groups}
+    assert decays == {3: 0.0, 1: 0.1}  # bias, bn weight, bn bias vs the linear weight
+
+
+class OverflowOnce(InfGrad):
+    """Sends an inf gradient on the first `n` backward passes, then behaves."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+
+    def forward(self, x):
+        self.factor = float("inf") if self.n > 0 else 1.0
+        self.n -= 1
+        return super().forward(x)
+
+
+def test_the_loop_counts_skipped_steps_and_holds_the_scheduler(tmp_path):
+    from torch.utils.data import TensorDataset
+
+    from mixprec.data import Data
+    from mixprec.data.loaders import EpochLoader
+    from mixprec.perf import Throughput
+    from mixprec.tracking import Tracker
+
+    amp = fp16(init_scale=1024.0)
+    model = nn.Sequential(mlp(), OverflowOnce(2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sch = optim.build_scheduler(SchedulerConfig(name="cosine"), opt, total_steps=4)
+    (x, y), = batches(1, 64)
+    ds = TensorDataset(x, y)
+    common = dict(device=CPU, fmt=torch.contiguous_format, seed=0, rank=0, world=1)
+    data = Data(EpochLoader(ds, 8, **common), EpochLoader(ds, 8, shuffle=False, **common), 4, (16,))
+    settings = loop.LoopSettings(epochs=10, max_steps=4, accum=1, log_every=1, clip_grad_norm=None,
+                                 samples_per_step=8)
+    tracker = Tracker(tmp_path, None, {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+        state = loop.train(model, data, nn.functional.cross_entropy, opt, sch, amp, tracker,
+                           loop.TrainState(), settings, Throughput(CPU, 0),
+                           memory=lambda: hardware.memory_stats(CPU),
+                           show_progress=False)
+    tracker.close("completed")
+    assert (state.step, state.skipped_steps, state.attempts) == (4, 2, 6)
+    assert sch.last_epoch == 4  # stepped only after the 4 real optimizer steps
+    assert amp.loss_scale() == 256.0  # halved twice
+    rows = [__import__("json").loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
+    assert train_rows[0]["amp/skipped_steps"] == 2 and train_rows[0]["amp/loss_scale"] == 256.0

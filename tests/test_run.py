@@ -1,0 +1,82 @@
+"""End to end: presets run, `python train.py` meets the run-dir contract, multirun makes one run
+dir and one W&B run per job."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mixprec import run
+
+from conftest import group_options, run_train
+
+METRIC_KEYS = {"step", "epoch", "train/loss", "train/lr", "train/grad_norm", "amp/loss_scale",
+               "amp/skipped_steps", "perf/samples_per_s", "perf/step_ms", "mem/allocated_gib",
+               "mem/reserved_gib", "mem/peak_gib"}
+VAL_KEYS = {"step", "epoch", "val/loss", "val/acc1"}
+SUMMARY_KEYS = {"status", "precision", "batch", "accum", "effective_batch", "world_size", "steps",
+                "samples_per_s", "peak_mem_gib", "val_acc1", "skipped_steps", "loss_scale", "mfu",
+                "wall_s"}
+# Shrinks any preset to a CPU-sized smoke run.
+TINY = ["batch=2", "accum=1", "trainer.max_steps=2", "data.shape=[3,32,32]", "data.num_classes=10",
+        "data.val_steps=1"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def check_run_dir(d: Path, wandb: bool = True) -> dict:
+    rows = read_jsonl(d / "metrics.jsonl")
+    train_rows = [r for r in rows if "train/loss" in r]
+    val_rows = [r for r in rows if "val/acc1" in r]
+    assert train_rows and val_rows
+    assert METRIC_KEYS <= set(train_rows[-1]), METRIC_KEYS - set(train_rows[-1])
+    assert VAL_KEYS <= set(val_rows[-1])
+    summary = json.loads((d / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(summary), SUMMARY_KEYS - set(summary)
+    assert (d / ".hydra" / "config.yaml").exists()
+    assert (d / "checkpoints" / "last.pt").exists()
+    if wandb:
+        runs = list((d / "wandb").glob("offline-run-*/run-*.wandb"))
+        assert len(runs) == 1, runs
+    return summary
+
+
+@pytest.mark.parametrize("preset", group_options("experiment"))
+def test_every_experiment_preset_runs_two_steps(cfg_factory, preset):
+    cfg = cfg_factory(f"experiment={preset}", *TINY)
+    run.run(cfg)
+    d = Path(cfg.run_dir)
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 2
+
+
+@pytest.mark.slow
+def test_default_run_meets_the_contract(tmp_path):
+    """`python train.py` as a new user runs it: real data, W&B offline, val top-1 >= 0.95."""
+    proc = run_train([f"hydra.run.dir={tmp_path}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = check_run_dir(tmp_path)
+    assert summary["status"] == "completed" and summary["precision"] == "fp32"
+    assert summary["val_acc1"] >= 0.95
+    assert summary["samples_per_s"] > 0 and summary["peak_mem_gib"] > 0
+    assert summary["effective_batch"] == summary["batch"] * summary["accum"]
+    assert "precision=fp32: autocast off, GradScaler off, TF32 off" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_multirun_gives_one_run_dir_and_one_wandb_run_per_job(tmp_path):
+    proc = run_train(["-m", "precision=fp32,amp,bf16", "trainer.max_steps=6", "trainer.log_every=3",
+                      f"hydra.sweep.dir={tmp_path}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dirs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and p.name.isdigit())
+    assert len(dirs) == 3
+    ids, precisions = set(), set()
+    for d in dirs:
+        summary = check_run_dir(d)
+        assert summary["status"] == "completed" and summary["steps"] == 6
+        precisions.add(summary["precision"])
+        ids |= {p.stem for p in (d / "wandb").glob("offline-run-*/run-*.wandb")}
+    assert precisions == {"fp32", "amp", "bf16"} and len(ids) == 3

@@ -1,0 +1,17 @@
+"""mixprec's one training entrypoint: `python train.py precision=amp batch=768` (see README.md)."""
+import hydra
+from omegaconf import DictConfig
+
+from mixprec.config import register_configs
+from mixprec.run import main as run_main
+
+register_configs()
+
+
+@hydra.main(config_path="conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> float | None:
+    return run_main(cfg)
+
+
+if __name__ == "__main__":
+    main()
