@@ -117,6 +117,11 @@ def main() -> None:
     precisions = a.precisions.split(",") if a.precisions else p["precisions"]
     import torch
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    meta = {"date": time.strftime("%Y-%m-%d"), "device": gpu, "torch": torch.__version__,
+            "preset": a.preset, "batch": p["batch"], "steps": p["steps"], "warmup": p["warmup"],
+            "repeats": repeats, "command": " ".join([Path(sys.executable).name, *sys.argv])}
+    out = a.out or ROOT / "benchmarks" / "results" / f"bare_vs_train-{a.preset}-{meta['date']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for prec in precisions:
         runs = {"bare": [], "train.py": []}
@@ -131,9 +136,7 @@ def main() -> None:
                      "train_samples_per_s": med["train.py"], "ratio": med["train.py"] / med["bare"],
                      "bare_peak_gib": runs["bare"][0]["peak_mem_gib"],
                      "train_peak_gib": runs["train.py"][0]["peak_mem_gib"], "runs": runs})
-    meta = {"date": time.strftime("%Y-%m-%d"), "device": gpu, "torch": torch.__version__,
-            "preset": a.preset, "batch": p["batch"], "steps": p["steps"], "warmup": p["warmup"],
-            "repeats": repeats, "command": " ".join([Path(sys.executable).name, *sys.argv])}
+        out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))  # after every row
     print(f"\n{meta['date']} {gpu} torch {torch.__version__}, preset {a.preset}, batch "
           f"{p['batch']}, {p['steps']} timed steps after {p['warmup']}, median of {repeats}")
     print("| precision | bare loop samples/s | train.py samples/s | train.py / bare |")
@@ -141,9 +144,6 @@ def main() -> None:
     for r in rows:
         print(f"| {r['precision']} | {r['bare_samples_per_s']:.1f} | {r['train_samples_per_s']:.1f} "
               f"| {r['ratio']:.3f} |")
-    out = a.out or ROOT / "benchmarks" / "results" / f"bare_vs_train-{a.preset}-{meta['date']}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"wrote {out}")
 
 
