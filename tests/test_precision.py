@@ -223,6 +223,7 @@ def test_the_loop_counts_skipped_steps_and_holds_the_scheduler(tmp_path):
     from mixprec.data import Data
     from mixprec.data.loaders import EpochLoader
     from mixprec.perf import Throughput
+    from mixprec.safety import DivergenceGuard
     from mixprec.tracking import Tracker
 
     amp = fp16(init_scale=1024.0)
@@ -241,6 +242,7 @@ def test_the_loop_counts_skipped_steps_and_holds_the_scheduler(tmp_path):
         state = loop.train(model, data, nn.functional.cross_entropy, opt, sch, amp, tracker,
                            loop.TrainState(), settings, Throughput(CPU, 0),
                            memory=lambda: hardware.memory_stats(CPU),
+                           guard=DivergenceGuard(CPU, 3, 1.0),
                            show_progress=False)
     tracker.close("completed")
     assert (state.step, state.skipped_steps, state.attempts) == (4, 2, 6)

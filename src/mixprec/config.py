@@ -214,6 +214,17 @@ class CkptConfig:
 
 
 @dataclass
+class DebugConfig:
+    detect_anomaly: bool = False  # autograd anomaly mode: names the op that made a NaN (slow)
+    max_bad_steps: int = 3  # stop after this many consecutive non-finite losses
+    min_loss_scale: float = 1.0  # stop when the fp16 loss scale collapses below this
+
+    def __post_init__(self) -> None:
+        _check(self.max_bad_steps >= 1, "debug.max_bad_steps", self.max_bad_steps, ">= 1")
+        _check(self.min_loss_scale > 0, "debug.min_loss_scale", self.min_loss_scale, "> 0")
+
+
+@dataclass
 class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     scaler: ScalerConfig = field(default_factory=ScalerConfig)
@@ -225,6 +236,7 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     name: str = "default"  # experiment name: W&B group and tag
     batch: Any = 64  # micro-batch per device: an int >= 1 (or `auto`, the memory search)
     accum: int = 1  # micro-batches per optimizer step

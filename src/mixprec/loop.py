@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from .perf import Throughput
 from .precision import Precision, StepWatch
+from .safety import DivergenceGuard, Preempted, StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,8 @@ def evaluate(model: nn.Module, batches: Iterable, loss_fn: Callable, amp: Precis
 
 def train(model: nn.Module, data, loss_fn: Callable, optimizer, scheduler, amp: Precision,
           tracker, state: TrainState, cfg: LoopSettings, meter: Throughput,
-          memory: Callable[[], dict], save: Callable[[TrainState], None] = lambda s: None,
+          memory: Callable[[], dict], guard: DivergenceGuard, stop: StopSignals | None = None,
+          save: Callable[[TrainState], None] = lambda s: None,
           no_sync: Callable = lambda model: nullcontext(), reduce: Callable = lambda t: t,
           show_progress: bool = True) -> TrainState:
     watch = StepWatch(optimizer)
@@ -107,7 +109,10 @@ def train(model: nn.Module, data, loss_fn: Callable, optimizer, scheduler, amp: 
     bar = tqdm(total=total, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
                disable=not show_progress, leave=False)
     window_loss, window_steps = torch.zeros((), device=meter.device), 0
+    lr = lambda: optimizer.param_groups[-1]["lr"]  # noqa: E731
+    check = lambda out: guard.check(state.step, float(out.loss), amp.loss_scale(), lr())  # noqa: E731
     meter.start(state.step)
+    out = None
     for epoch in range(state.epoch, cfg.epochs):
         data.train.set_epoch(epoch, skip=state.batch_in_epoch)
         batches = iter(data.train)
@@ -118,36 +123,51 @@ def train(model: nn.Module, data, loss_fn: Callable, optimizer, scheduler, amp: 
             want_norm = (state.step + 1) % cfg.log_every == 0
             out = train_step(model, micro, loss_fn, optimizer, amp, watch, cfg.clip_grad_norm,
                              want_norm, no_sync)
+            guard.update(out.loss)
             state.batch_in_epoch += cfg.accum
             state.attempts += 1
             window_loss += out.loss
             window_steps += 1
             meter.count(cfg.samples_per_step)
-            if not out.stepped:  # overflow: the scaler backed off; weights and LR stay put
+            if state.attempts % cfg.log_every == 0:
+                check(out)  # divergence: one sync per log_every attempts, skipped ones included
+            if out.stepped:
+                scheduler.step()
+                state.step += 1
+                bar.update(1)
+                meter.maybe_end_warmup(state.step)
+            else:  # overflow: the scaler backed off; weights and LR stay put
                 state.skipped_steps += 1
-                continue
-            scheduler.step()
-            state.step += 1
-            bar.update(1)
-            meter.maybe_end_warmup(state.step)
-            if state.step % cfg.log_every == 0:
+            if out.stepped and state.step % cfg.log_every == 0:
                 row = _log_row(state, optimizer, amp, out, window_loss / window_steps, meter, memory)
                 tracker.log(row, state.step)
                 bar.set_postfix(loss=f"{row['train/loss']:.4f}", scale=row["amp/loss_scale"],
                                 sps=f"{row['perf/samples_per_s']:.0f}")
                 log.info(_fmt(row, state.step, total))
                 window_loss, window_steps = torch.zeros((), device=meter.device), 0
-            if cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
-                save(state)
+            if stop is not None and stop.received:
+                save_if_healthy(save, state, guard, model)
+                raise Preempted(stop.received)
+            if out.stepped and cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
+                save_if_healthy(save, state, guard, model)
         _evaluate(model, data, loss_fn, amp, tracker, state, meter, reduce)  # epoch end or the cap
         if _done(state, cfg):
             break
         state.epoch, state.batch_in_epoch = epoch + 1, 0
     bar.close()
     meter.stop()
+    if out is not None:
+        check(out)
     if window_steps:
         state.last_loss = float(window_loss / window_steps)
     return state
+
+
+def save_if_healthy(save: Callable, state: TrainState, guard: DivergenceGuard, model) -> None:
+    if guard.healthy(list(model.parameters())):  # never overwrite the last good checkpoint
+        save(state)
+    else:
+        log.warning("step %d: non-finite loss or weights; checkpoint not written", state.step)
 
 
 def _done(state: TrainState, cfg: LoopSettings) -> bool:

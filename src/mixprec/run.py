@@ -19,18 +19,28 @@ from . import checkpoint, hardware, loop, models, optim, precision
 from . import data as datasets
 from .config import ConfigError, TrainConfig, validate
 from .perf import Throughput
+from .safety import DivergenceGuard, Diverged, Preempted, StopSignals
 from .tracking import Tracker, wandb_mode
 
 log = logging.getLogger("mixprec")
 
 
+EXIT_CONFIG, EXIT_DIVERGED = 2, 3  # preemption exits with 128 + the signal number
+
+
 def main(cfg: DictConfig) -> float | None:
-    """Hydra's task function. Bad config -> one clear message and exit code 2, nothing trained."""
+    """Hydra's task function: one clear message and a distinct exit code for each way to stop."""
     try:
         return run(cfg)
-    except ConfigError as e:
+    except ConfigError as e:  # before training: nothing was written but Hydra's .hydra/
         log.error("config error: %s", e)
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_CONFIG) from None
+    except Diverged as e:
+        log.error("training diverged: %s", e)
+        raise SystemExit(EXIT_DIVERGED) from None
+    except Preempted as e:
+        log.warning("preempted (%s): checkpoint written; continue with resume=auto", e)
+        raise SystemExit(e.exit_code) from None
 
 
 def run(cfg: DictConfig) -> float | None:
@@ -68,7 +78,8 @@ def run(cfg: DictConfig) -> float | None:
         log.info("resumed from %s at step %d (epoch %d, micro-batch %d)", found, state.step,
                  state.epoch, state.batch_in_epoch)
     tracker = Tracker(run_dir, _wandb_settings(c, hw) if c.logger.name == "wandb" else None,
-                      resolved, run_id=blob["wandb_id"] if blob else None)
+                      resolved, run_id=blob["wandb_id"] if blob else None,
+                      resume_step=state.step if blob else None)
 
     def save(st: loop.TrainState) -> None:
         checkpoint.save(ckpt_path, model=model, optimizer=optimizer, scaler=amp.scaler,
@@ -81,14 +92,21 @@ def run(cfg: DictConfig) -> float | None:
         clip_grad_norm=c.trainer.clip_grad_norm, samples_per_step=effective_batch,
         ckpt_every=c.ckpt.every_steps)
     meter = Throughput(device, c.trainer.perf_warmup_steps)
+    guard = DivergenceGuard(device, c.debug.max_bad_steps, c.debug.min_loss_scale)
+    torch.autograd.set_detect_anomaly(c.debug.detect_anomaly)
     hardware.reset_peak(device)
     t0, status = time.perf_counter(), "failed"
     try:
-        state = loop.train(model, data, F.cross_entropy, optimizer, scheduler, amp, tracker,
-                           state, settings, meter, memory=lambda: hardware.memory_stats(device),
-                           save=save, show_progress=sys.stderr.isatty())
-        save(state)
+        with StopSignals() as stop:
+            state = loop.train(model, data, F.cross_entropy, optimizer, scheduler, amp, tracker,
+                               state, settings, meter, memory=lambda: hardware.memory_stats(device),
+                               guard=guard, stop=stop, save=save,
+                               show_progress=sys.stderr.isatty())
+        loop.save_if_healthy(save, state, guard, model)
         status = "completed"
+    except Preempted:
+        status = "preempted"
+        raise
     except torch.OutOfMemoryError:
         mem = hardware.memory_stats(device)
         log.error("out of GPU memory at batch=%d (peak %.2f GiB, cap %s GiB on %s); try a "
@@ -142,7 +160,10 @@ def _wandb_settings(c: TrainConfig, hw) -> dict:
 def _summary(c: TrainConfig, status, state, meter, amp, effective_batch, world, device, wall_s,
              hw) -> dict:
     mem = hardware.memory_stats(device)
-    scale = amp.loss_scale() if status != "failed" or device.type == "cpu" else None
+    try:
+        scale = amp.loss_scale()
+    except RuntimeError:  # the device is in a bad state after a CUDA error
+        scale = None
     return {"status": status, "precision": c.precision.name, "batch": c.batch, "accum": c.accum,
             "effective_batch": effective_batch, "world_size": world, "steps": state.step,
             "samples_per_s": meter.steady_rate, "peak_mem_gib": mem["mem/peak_gib"],

@@ -82,12 +82,16 @@ class Tracker:
     """One per run: `log()` per event, `summary()` at the end, `close()` always (in finally)."""
 
     def __init__(self, run_dir: Path, logger_settings: dict | None, config: dict,
-                 run_id: str | None = None, rank0: bool = True) -> None:
+                 run_id: str | None = None, rank0: bool = True,
+                 resume_step: int | None = None) -> None:
         self.run_dir, self.rank0, self.sink = run_dir, rank0, None
         if not rank0:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        path = run_dir / "metrics.jsonl"
+        if resume_step is not None and path.exists():
+            _drop_rows_after(path, resume_step)  # a killed run logged past its last checkpoint
+        self.metrics = open(path, "a", buffering=1)
         if logger_settings is not None:
             self._guard(lambda: setattr(self, "sink", _WandbSink(run_dir, logger_settings, config,
                                                                  run_id)), "init")
@@ -124,5 +128,17 @@ class Tracker:
         if not self.rank0:
             return
         self.metrics.close()
+        if self.sink and status == "preempted":
+            self._guard(self.sink.run.mark_preempting, "mark_preempting")
         if self.sink:
             self._guard(lambda: self.sink.close(0 if status == "completed" else 1), "finish")
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    def keep(row: dict) -> bool:  # evaluation at the checkpoint's step runs again after resume
+        return row.get("step", 0) < step or (row.get("step") == step and "val/acc1" not in row)
+
+    rows = [line for line in path.read_text().splitlines() if line.strip() and keep(json.loads(line))]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(r + "\n" for r in rows))
+    os.replace(tmp, path)

@@ -22,7 +22,7 @@ class EpochLoader:
         self.sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle,
                                           seed=seed, drop_last=drop_last)
         self.dataset, self.batch, self.device, self.fmt = dataset, batch, device, fmt
-        self.drop_last, self.skip = drop_last, 0
+        self.drop_last, self.skip, self.seed, self.epoch = drop_last, 0, seed, 0
         self.loader_kw = dict(num_workers=num_workers,
                               pin_memory=pin_memory and device.type == "cuda")
 
@@ -32,11 +32,14 @@ class EpochLoader:
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         self.sampler.set_epoch(epoch)
-        self.skip = skip
+        self.skip, self.epoch = skip, epoch
 
     def __iter__(self):
         indices = list(self.sampler)[self.skip * self.batch:]
+        # Its own generator: a DataLoader otherwise draws worker seeds from the global RNG at
+        # every iter(), which a resumed run would do at a different moment (breaking exactness).
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
         loader = DataLoader(self.dataset, batch_size=self.batch, sampler=indices,
-                            drop_last=self.drop_last, **self.loader_kw)
+                            drop_last=self.drop_last, generator=gen, **self.loader_kw)
         for batch in loader:
             yield to_device(batch, self.device, self.fmt)
