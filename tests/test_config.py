@@ -53,7 +53,7 @@ def test_scaler_presets_follow_the_seeds():
 
 
 @pytest.mark.parametrize("override,key", [
-    ("batch=0", "batch"), ("batch=-3", "batch"), ("batch=abc", "batch"), ("accum=0", "accum"),
+    ("batch=0", "batch"), ("batch=-3", "batch"), ("batch=abc", "batch"), ("effective_batch=0", "effective_batch"), ("accum=0", "accum"),
     ("optimizer.lr=0", "optimizer.lr"), ("optimizer.lr=-1", "optimizer.lr"),
     ("trainer.max_steps=0", "trainer.max_steps"), ("scaler.backoff_factor=1.5", "scaler.backoff_factor"),
     ("optimizer.scale_lr=cubic", "optimizer.scale_lr"), ("data.shape=[3,0,4]", "data.shape"),
@@ -122,7 +122,7 @@ def test_cuda_profile_without_a_gpu_is_a_clear_error(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args,code,needle", [
-    (["batch=0"], 2, "batch=0 is not allowed; batch must be an int >= 1"),
+    (["batch=0"], 2, "batch=0 is not allowed; batch must be an int >= 1 or auto"),
     (["model.name=resnet5O"], 2, "did you mean"),
     (["precision=fp8"], 1, "Available options in 'precision'"),
 ])

@@ -75,3 +75,20 @@ def test_oom_marks_the_run_failed_with_advice(cfg_factory, caplog):
     s = json.loads((Path(cfg.run_dir) / "summary.json").read_text())
     assert s["status"] == "failed"
     assert "batch=2048" in caplog.text and "batch=auto" in caplog.text
+
+
+def test_batch_auto_finds_a_batch_that_trains_under_a_cap(cfg_factory, tmp_path):
+    overrides = [*GPU_SMALL, "precision=amp", "batch=auto", "hardware.memory_gib=3",
+                 f"batch_search.cache={tmp_path / 'cache.json'}"]
+    try:
+        cfg = cfg_factory(*overrides, small=False)
+        run.run(cfg)
+        s = json.loads((Path(cfg.run_dir) / "summary.json").read_text())
+        assert s["status"] == "completed" and s["max_batch"] >= s["batch"] >= 8
+        assert s["batch"] % 8 == 0 and s["peak_mem_gib"] < 3
+        again = cfg_factory(*overrides, f"run_dir={tmp_path / 'again'}", small=False)
+        run.run(again)  # the cache answers at once with the same batch
+        assert json.loads((tmp_path / "again" / "summary.json").read_text())["batch"] == s["batch"]
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()

@@ -141,6 +141,7 @@ class ModelConfig:
     channels_last: bool = False  # NHWC memory format (faster convs on tensor cores)
     compile: bool = False  # torch.compile the model
     compile_mode: Optional[str] = None  # torch.compile mode: null, reduce-overhead, max-autotune
+    grad_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
     kwargs: Dict[str, Any] = field(default_factory=dict)  # extra timm.create_model arguments
 
     def __post_init__(self) -> None:
@@ -214,6 +215,23 @@ class CkptConfig:
 
 
 @dataclass
+class BatchSearchConfig:
+    start: int = 16  # first probe of batch=auto
+    growth: float = 1.5  # grow by this factor until out of memory (the seeds' +50 %)
+    resolution: int = 8  # then bisect until the bracket is this narrow
+    margin: float = 0.05  # use (1 - margin) of the largest batch that trained
+    probe_steps: int = 3  # full training steps per probe
+    cache: Optional[str] = None  # JSON cache of results; null = no cache
+
+    def __post_init__(self) -> None:
+        _check(self.start >= 1, "batch_search.start", self.start, ">= 1")
+        _check(self.growth > 1, "batch_search.growth", self.growth, "> 1")
+        _check(self.resolution >= 1, "batch_search.resolution", self.resolution, ">= 1")
+        _check(0 <= self.margin < 1, "batch_search.margin", self.margin, "in [0, 1)")
+        _check(self.probe_steps >= 1, "batch_search.probe_steps", self.probe_steps, ">= 1")
+
+
+@dataclass
 class DebugConfig:
     detect_anomaly: bool = False  # autograd anomaly mode: names the op that made a NaN (slow)
     max_bad_steps: int = 3  # stop after this many consecutive non-finite losses
@@ -237,17 +255,22 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    batch_search: BatchSearchConfig = field(default_factory=BatchSearchConfig)
     name: str = "default"  # experiment name: W&B group and tag
-    batch: Any = 64  # micro-batch per device: an int >= 1 (or `auto`, the memory search)
+    batch: Any = 64  # micro-batch per device: an int >= 1, or auto (the largest that trains)
     accum: int = 1  # micro-batches per optimizer step
+    effective_batch: Optional[int] = None  # target batch*accum*world: derives accum (and batch if auto)
     seed: int = 0
     resume: Optional[str] = None  # null, auto (this run dir's last.pt) or a run dir / checkpoint
     run_dir: str = "."  # where the run writes; train.yaml points it at Hydra's output dir
 
     def __post_init__(self) -> None:
-        ok = (isinstance(self.batch, int) and not isinstance(self.batch, bool) and self.batch >= 1)
-        _check(ok, "batch", self.batch, "an int >= 1")
+        ok = self.batch == "auto" or (isinstance(self.batch, int) and not isinstance(self.batch, bool)
+                                      and self.batch >= 1)
+        _check(ok, "batch", self.batch, "an int >= 1 or auto")
         _check(isinstance(self.accum, int) and self.accum >= 1, "accum", self.accum, "an int >= 1")
+        _check(self.effective_batch is None or self.effective_batch >= 1, "effective_batch",
+               self.effective_batch, "null or an int >= 1")
 
 
 def register_configs() -> None:

@@ -99,3 +99,28 @@ def _rss_bytes() -> int:
 def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+class PhaseMemory:
+    """Memory after forward, after backward and after the optimizer step, read once (on the first
+    step) through hooks, so the training step itself carries no measuring code."""
+
+    def __init__(self, model, optimizer, device: torch.device) -> None:
+        self.device, self.result = device, {}
+        read = lambda: (torch.cuda.memory_allocated(device) if device.type == "cuda"  # noqa: E731
+                        else _rss_bytes()) / GIB
+        self._handles = [
+            model.register_forward_hook(lambda *a: self._forward(read)),
+            optimizer.register_step_pre_hook(lambda *a: self._record("mem/after_backward_gib", read)),
+            optimizer.register_step_post_hook(lambda *a: self._record("mem/after_step_gib", read)),
+        ]
+
+    def _record(self, key: str, read) -> None:
+        self.result.setdefault(key, read())
+
+    def _forward(self, read) -> None:
+        if len(self.result) == 3:  # done: drop the hooks (not from inside the optimizer's own loop)
+            for h in self._handles:
+                h.remove()
+        else:
+            self._record("mem/after_forward_gib", read)

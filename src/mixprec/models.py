@@ -10,6 +10,7 @@ import timm
 import torch
 from timm.models import register_model
 from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from .config import ConfigError, ModelConfig
 
@@ -30,9 +31,17 @@ class DigitsCNN(nn.Module):
             nn.ReLU(), nn.MaxPool2d(2),
         )
         self.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.1), nn.LazyLinear(num_classes))
+        self.grad_checkpointing = False
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:  # timm's interface
+        self.grad_checkpointing = enable
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
+        if self.grad_checkpointing and self.training:
+            x = checkpoint(self.features, x, use_reentrant=False)
+        else:
+            x = self.features(x)
+        return self.head(x)
 
 
 @register_model
@@ -59,6 +68,8 @@ def build(mcfg: ModelConfig, num_classes: int, input_shape: tuple[int, int, int]
     with torch.no_grad():  # materialise lazy layers before the optimizer sees the parameters
         model.eval()(torch.zeros(1, *input_shape, device=device))
         model.train()
+    if mcfg.grad_checkpointing:
+        model = enable_grad_checkpointing(model, mcfg.name)
     if mcfg.channels_last:
         model.to(memory_format=torch.channels_last)
     if mcfg.compile:
@@ -69,3 +80,33 @@ def build(mcfg: ModelConfig, num_classes: int, input_shape: tuple[int, int, int]
                  mcfg.compile_mode, time.perf_counter() - t0)
     return model
 
+
+
+class _CheckpointedSequential(nn.Module):
+    """Fallback for plain nn.Sequential models: torch.utils.checkpoint over 4 segments."""
+
+    def __init__(self, seq: nn.Sequential) -> None:
+        super().__init__()
+        self.seq = seq
+
+    def forward(self, x):
+        if not self.training:
+            return self.seq(x)
+        return checkpoint_sequential(self.seq, min(4, len(self.seq)), x, use_reentrant=False)
+
+
+def enable_grad_checkpointing(model: nn.Module, name: str) -> nn.Module:
+    """timm's set_grad_checkpointing where the model has it; torch.utils.checkpoint over a
+    Sequential otherwise; a clear error where neither applies."""
+    if hasattr(model, "set_grad_checkpointing"):
+        try:
+            model.set_grad_checkpointing(True)
+            return model
+        except (AssertionError, NotImplementedError) as e:
+            reason = str(e) or "not supported"
+    else:
+        reason = "no set_grad_checkpointing()"
+    if isinstance(model, nn.Sequential):
+        return _CheckpointedSequential(model)
+    raise ConfigError(f"model.grad_checkpointing=true: {name} does not support it ({reason}); "
+                      "use a timm model that does (resnet*, convnext*, vit_*) or set it false")

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from . import checkpoint, hardware, loop, models, optim, precision
+from . import batch_size, checkpoint, hardware, loop, models, optim, precision
 from . import data as datasets
 from .config import ConfigError, TrainConfig, validate
 from .perf import Throughput
@@ -52,19 +52,20 @@ def run(cfg: DictConfig) -> float | None:
     amp = precision.build(c.precision, c.scaler, device)
     models.check_name(c.model.name)  # fail fast, before any data is built
     world = 1
-    effective_batch = c.batch * c.accum * world
-    data = datasets.build(c.data, hw, c.batch, device, c.seed, c.model.channels_last)
+    batch, accum, max_batch = _choose_batch(c, hw, device, world)
+    effective_batch = batch * accum * world
+    data = datasets.build(c.data, hw, batch, device, c.seed, c.model.channels_last)
     model = models.build(c.model, data.num_classes, data.input_shape, device)
     lr = optim.scaled_lr(c.optimizer, effective_batch)
     optimizer = optim.build_optimizer(c.optimizer, model, lr, device)
-    steps_per_epoch = len(data.train) // c.accum
+    steps_per_epoch = len(data.train) // accum
     if steps_per_epoch < 1 and c.trainer.max_steps is None:
-        raise ConfigError(f"batch={c.batch} accum={c.accum}: one optimizer step needs "
-                          f"{c.batch * c.accum} samples but an epoch of data={c.data.name} has "
-                          f"{len(data.train) * c.batch}; lower batch or accum")
+        raise ConfigError(f"batch={batch} accum={accum}: one optimizer step needs "
+                          f"{batch * accum} samples but an epoch of data={c.data.name} has "
+                          f"{len(data.train) * batch}; lower batch or accum")
     total_steps = c.trainer.max_steps or steps_per_epoch * c.trainer.epochs
     scheduler = optim.build_scheduler(c.scheduler, optimizer, total_steps)
-    _announce(c, hw, device, amp, effective_batch, lr, total_steps)
+    _announce(c, hw, device, amp, batch, accum, effective_batch, lr, total_steps)
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
     ckpt_path = run_dir / "checkpoints" / "last.pt"
@@ -88,9 +89,12 @@ def run(cfg: DictConfig) -> float | None:
 
     settings = loop.LoopSettings(
         epochs=c.trainer.epochs if c.trainer.max_steps is None else sys.maxsize,
-        max_steps=c.trainer.max_steps, accum=c.accum, log_every=c.trainer.log_every,
+        max_steps=c.trainer.max_steps, accum=accum, log_every=c.trainer.log_every,
         clip_grad_norm=c.trainer.clip_grad_norm, samples_per_step=effective_batch,
         ckpt_every=c.ckpt.every_steps)
+    if max_batch is not None:
+        tracker.log({"mem/max_batch": max_batch}, state.step)
+    phases = hardware.PhaseMemory(model, optimizer, device)
     meter = Throughput(device, c.trainer.perf_warmup_steps)
     guard = DivergenceGuard(device, c.debug.max_bad_steps, c.debug.min_loss_scale)
     torch.autograd.set_detect_anomaly(c.debug.detect_anomaly)
@@ -110,17 +114,81 @@ def run(cfg: DictConfig) -> float | None:
     except torch.OutOfMemoryError:
         mem = hardware.memory_stats(device)
         log.error("out of GPU memory at batch=%d (peak %.2f GiB, cap %s GiB on %s); try a "
-                  "smaller batch or batch=auto", c.batch, mem["mem/peak_gib"], hw.memory_gib,
-                  hw.name)
+                  "smaller batch, model.grad_checkpointing=true, or batch=auto", batch,
+                  mem["mem/peak_gib"], hw.memory_gib, hw.name)
         raise
     finally:
-        summary = _summary(c, status, state, meter, amp, effective_batch, world, device,
-                           time.perf_counter() - t0, hw)
+        summary = _summary(c, status, state, meter, amp, batch, accum, world, device,
+                           time.perf_counter() - t0, hw, phases.result, max_batch)
         tracker.summary(summary)
         tracker.close(status)
     log.info("done: %s", {k: summary[k] for k in ("steps", "samples_per_s", "peak_mem_gib",
                                                   "val_acc1", "skipped_steps", "loss_scale")})
     return summary["val_acc1"]
+
+
+def _choose_batch(c: TrainConfig, hw, device, world: int) -> tuple[int, int, int | None]:
+    """(micro-batch, accum, the searched maximum or None) from batch/accum/effective_batch."""
+    batch, accum, max_batch = c.batch, c.accum, None
+    if batch == "auto":
+        batch, max_batch = _auto_batch(c, hw, device)
+    if c.effective_batch is None:
+        return batch, accum, max_batch
+    if max_batch is not None:
+        batch, accum, note = batch_size.split_effective(c.effective_batch, batch, world)
+        if note:
+            log.warning(note)
+    else:
+        accum, rest = divmod(c.effective_batch, batch * world)
+        if rest or accum < 1:
+            raise ConfigError(f"effective_batch={c.effective_batch} is not a multiple of batch="
+                              f"{batch} x world size {world}; pick a batch that divides it, or "
+                              "batch=auto to choose one")
+    log.info("effective_batch=%d: micro-batch %d x accum %d x world %d", c.effective_batch,
+             batch, accum, world)
+    return batch, accum, max_batch
+
+
+def _auto_batch(c: TrainConfig, hw, device) -> tuple[int, int]:
+    """(micro-batch to use, the largest that trained)."""
+    if device.type != "cuda":
+        raise ConfigError("batch=auto searches GPU memory and needs a CUDA device; on the CPU "
+                          "give batch=<int>")
+    num_classes, shape = datasets.spec(c.data)
+    fmt = torch.channels_last if c.model.channels_last else torch.contiguous_format
+    bs = c.batch_search
+
+    def probe(b: int) -> None:  # real steps with fresh state: the memory training will need
+        model = models.build(c.model, num_classes, shape, device)
+        opt = optim.build_optimizer(c.optimizer, model, 1e-6, device)
+        amp = precision.build(c.precision, c.scaler, device)
+        watch = precision.StepWatch(opt)
+        x = torch.randn(b, *shape, device=device).contiguous(memory_format=fmt)
+        y = torch.randint(0, num_classes, (b,), device=device)
+        stepped = 0
+        for _ in range(3 * bs.probe_steps):  # skipped fp16 steps allocate no optimizer state
+            stepped += loop.train_step(model, [(x, y)], F.cross_entropy, opt, amp, watch,
+                                       c.trainer.clip_grad_norm).stepped
+            if stepped >= bs.probe_steps:
+                break
+        torch.cuda.synchronize(device)
+
+    settings = batch_size.SearchSettings(bs.start, bs.growth, bs.resolution, bs.margin,
+                                         cache=Path(bs.cache).expanduser() if bs.cache else None)
+    key = {"model": c.model.name, "kwargs": c.model.kwargs, "shape": list(shape),
+           "classes": num_classes, "autocast": c.precision.autocast, "scaler": c.scaler.enabled,
+           "optimizer": c.optimizer.name, "channels_last": c.model.channels_last,
+           "compile": [c.model.compile, c.model.compile_mode],
+           "grad_checkpointing": c.model.grad_checkpointing, "gpu": torch.cuda.get_device_name(device),
+           "memory_gib": hw.memory_gib, "torch": torch.__version__,
+           "clip": c.trainer.clip_grad_norm is not None, "resolution": bs.resolution}
+    t0 = time.perf_counter()
+    found, hit = batch_size.cached(key, settings, lambda: batch_size.search(probe, settings))
+    batch = batch_size.with_margin(found, bs.margin)
+    log.info("batch=auto: largest micro-batch that trains is %d (%s, %.1fs); using %d (margin "
+             "%.0f%%, rounded to a multiple of 8)", found, "cached" if hit else "searched",
+             time.perf_counter() - t0, batch, 100 * bs.margin)
+    return batch, found
 
 
 def _seed_everything(seed: int) -> None:
@@ -129,7 +197,8 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _announce(c: TrainConfig, hw, device, amp, effective_batch, lr, total_steps) -> None:
+def _announce(c: TrainConfig, hw, device, amp, batch, accum, effective_batch, lr,
+              total_steps) -> None:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     log.info("hardware=%s (%s), torch %s", hw.name, gpu, torch.__version__)
     log.info(amp.describe())
@@ -138,7 +207,7 @@ def _announce(c: TrainConfig, hw, device, amp, effective_batch, lr, total_steps)
                     "than fp32 (measure it on a GPU; fp32 is the default for that reason)",
                     c.precision.name, amp.dtype)
     log.info("model=%s data=%s batch=%d accum=%d -> effective batch %d; lr %.4g (%s scaling "
-             "from %.4g at %d); %d optimizer steps", c.model.name, c.data.name, c.batch, c.accum,
+             "from %.4g at %d); %d optimizer steps", c.model.name, c.data.name, batch, accum,
              effective_batch, lr, c.optimizer.scale_lr, c.optimizer.lr, c.optimizer.base_batch,
              total_steps)
 
@@ -157,17 +226,19 @@ def _wandb_settings(c: TrainConfig, hw) -> dict:
                 name=name, tags=sorted(set(tags)), mode=wandb_mode(c.logger.mode))
 
 
-def _summary(c: TrainConfig, status, state, meter, amp, effective_batch, world, device, wall_s,
-             hw) -> dict:
+def _summary(c: TrainConfig, status, state, meter, amp, batch, accum, world, device, wall_s,
+             hw, phases: dict, max_batch: int | None) -> dict:
     mem = hardware.memory_stats(device)
     try:
         scale = amp.loss_scale()
     except RuntimeError:  # the device is in a bad state after a CUDA error
         scale = None
-    return {"status": status, "precision": c.precision.name, "batch": c.batch, "accum": c.accum,
-            "effective_batch": effective_batch, "world_size": world, "steps": state.step,
+    return {"status": status, "precision": c.precision.name, "batch": batch, "accum": accum,
+            "effective_batch": batch * accum * world, "world_size": world, "steps": state.step,
             "samples_per_s": meter.steady_rate, "peak_mem_gib": mem["mem/peak_gib"],
             "val_acc1": state.val_acc1, "val_loss": state.val_loss, "train_loss": state.last_loss,
             "skipped_steps": state.skipped_steps, "loss_scale": scale, "mfu": None,
             "wall_s": wall_s, "model": c.model.name, "hardware": hw.name, "device": str(device),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "max_batch": max_batch,
+            "grad_checkpointing": c.model.grad_checkpointing, "memory_cap_gib": hw.memory_gib,
+            **{k.split("/")[1]: v for k, v in phases.items()}}

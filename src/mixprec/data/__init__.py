@@ -29,6 +29,13 @@ class Data:
     input_shape: tuple[int, int, int]  # C, H, W
 
 
+def spec(dcfg: DataConfig) -> tuple[int, tuple[int, int, int]]:
+    """(num_classes, input shape C,H,W) without loading anything (for batch=auto's probes)."""
+    if dcfg.name == "synthetic":
+        return dcfg.num_classes, tuple(dcfg.shape)
+    return digits.NUM_CLASSES, digits.INPUT_SHAPE
+
+
 def build(dcfg: DataConfig, hw: HardwareConfig, batch: int, device: torch.device, seed: int,
           channels_last: bool = False, rank: int = 0, world: int = 1) -> Data:
     fmt = torch.channels_last if channels_last else torch.contiguous_format

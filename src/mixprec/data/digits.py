@@ -10,6 +10,8 @@ from torch.utils.data import TensorDataset
 from ..config import DataConfig, HardwareConfig
 from .loaders import EpochLoader
 
+NUM_CLASSES, INPUT_SHAPE = 10, (1, 8, 8)
+
 
 def tensors(dcfg: DataConfig):
     """(x_train, y_train, x_val, y_val): a stratified split, standardised by train statistics."""
@@ -29,4 +31,4 @@ def build(dcfg: DataConfig, hw: HardwareConfig, batch: int, device, fmt, seed: i
     common = dict(device=device, fmt=fmt, seed=seed, rank=rank, world=world)  # in memory: no workers
     train = EpochLoader(TensorDataset(x_tr, y_tr), batch, **common)
     val = EpochLoader(TensorDataset(x_va, y_va), batch, shuffle=False, drop_last=False, **common)
-    return Data(train=train, val=val, num_classes=10, input_shape=(1, 8, 8))
+    return Data(train=train, val=val, num_classes=NUM_CLASSES, input_shape=INPUT_SHAPE)

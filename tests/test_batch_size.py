@@ -1,0 +1,149 @@
+"""batch=auto's search (with a simulated memory limit), its cache, the effective-batch arithmetic,
+and activation checkpointing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import batch_size, models, run
+from mixprec.batch_size import SearchSettings, search, split_effective, with_margin
+from mixprec.config import ConfigError
+
+
+def fake_memory(limit: int, calls: list):
+    """A probe that runs out of memory above `limit` samples, like a real GPU would."""
+    def probe(b: int) -> None:
+        calls.append(b)
+        if b > limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {b} MiB")
+    return probe
+
+
+@pytest.mark.parametrize("limit", [1, 7, 16, 100, 288, 560, 1000, 4097])
+def test_search_lands_within_the_resolution_below_the_limit(limit):
+    calls: list[int] = []
+    found, probes = search(fake_memory(limit, calls), SearchSettings(start=16, resolution=8),
+                           free=lambda: None)
+    assert limit - 8 <= found <= limit
+    assert [p["batch"] for p in probes] == calls
+    assert all(p["fits"] == (p["batch"] <= limit) for p in probes)
+    assert len(calls) <= 30
+
+
+def test_search_grows_by_half_then_bisects():
+    calls: list[int] = []
+    search(fake_memory(560, calls), SearchSettings(start=16, growth=1.5, resolution=8),
+           free=lambda: None)
+    assert calls[:10] == [16, 24, 36, 54, 81, 121, 181, 271, 406, 609]  # the seeds' +50 %
+    assert calls[10] == (406 + 609) // 2  # then bisection inside [406, 609)
+
+
+def test_search_propagates_errors_that_are_not_oom():
+    def probe(b):
+        raise RuntimeError("shape mismatch")
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        search(probe, SearchSettings())
+
+
+def test_search_agrees_across_ranks():
+    """If any rank runs out of memory, every rank must treat the batch as not fitting."""
+    other_rank_limit = 100
+    seen: list[int] = []
+
+    def probe(b):
+        seen.append(b)
+        if b > 300:
+            raise torch.OutOfMemoryError("oom")
+
+    def agree(ok: int) -> int:  # min over ranks: the other rank fits only up to 100
+        return min(ok, int(seen[-1] <= other_rank_limit))
+    found, _ = search(probe, SearchSettings(), agree=agree, free=lambda: None)
+    assert 92 <= found <= 100
+
+
+def test_margin_and_tensor_core_rounding():
+    assert with_margin(560, 0.05) == 528  # 532 rounded down to a multiple of 8
+    assert with_margin(288, 0.0) == 288
+    assert with_margin(5, 0.05) == 4
+
+
+def test_cache_hit_skips_the_search(tmp_path):
+    s = SearchSettings(cache=tmp_path / "cache.json")
+    key = {"model": "resnet50", "gpu": "H200"}
+    calls = []
+    compute = lambda: (calls.append(1) or 296, [{"batch": 296, "fits": True}])  # noqa: E731
+    assert batch_size.cached(key, s, compute) == (296, False)
+    assert batch_size.cached(key, s, compute) == (296, True)
+    assert batch_size.cached({**key, "gpu": "A100"}, s, compute) == (296, False)
+    assert len(calls) == 2
+    s.cache.write_text("{not json")
+    assert batch_size.cached(key, s, compute) == (296, False)  # unreadable cache: search again
+    assert json.loads(s.cache.read_text())  # and rewritten
+
+
+@pytest.mark.parametrize("target,max_micro,world,micro,accum", [
+    (768, 300, 1, 256, 3), (1000, 300, 1, 250, 4), (64, 16, 2, 16, 2), (256, 512, 1, 256, 1),
+    (3072, 528, 1, 512, 6),
+])
+def test_effective_batch_split_is_exact(target, max_micro, world, micro, accum):
+    assert split_effective(target, max_micro, world) == (micro, accum, None)
+
+
+def test_effective_batch_that_cannot_be_split_says_so():
+    micro, accum, note = split_effective(97, 40, 2)
+    assert note and "97" in note and micro <= 40
+    assert abs(micro * accum * 2 - 97) <= 2 * accum
+
+
+def test_effective_batch_with_an_int_batch_derives_accum(cfg_factory):
+    cfg = cfg_factory("batch=32", "effective_batch=128", "trainer.max_steps=2")
+    run.run(cfg)
+    s = json.loads(open(f"{cfg.run_dir}/summary.json").read())
+    assert (s["batch"], s["accum"], s["effective_batch"]) == (32, 4, 128)
+    with pytest.raises(ConfigError, match="effective_batch=100 is not a multiple of batch=32"):
+        run.run(cfg_factory("batch=32", "effective_batch=100", "trainer.max_steps=2"))
+
+
+def test_batch_auto_needs_a_gpu(cfg_factory):
+    with pytest.raises(ConfigError, match="batch=auto .* CUDA"):
+        run.run(cfg_factory("batch=auto"))
+
+
+def _grads(model, x, y):
+    torch.manual_seed(1)  # the same dropout masks for both models
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", ["mixprec_digits_cnn", "resnet18"])
+def test_grad_checkpointing_keeps_the_gradients(name):
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 1, 16, 16), torch.randint(0, 10, (4,))
+    plain = models.timm.create_model(name, num_classes=10, in_chans=1)
+    plain(x)
+    ckpt = models.timm.create_model(name, num_classes=10, in_chans=1)
+    ckpt(x)
+    ckpt.load_state_dict(plain.state_dict())
+    ckpt = models.enable_grad_checkpointing(ckpt, name)
+    plain.train(), ckpt.train()  # checkpointing acts in training mode
+    for a, b in zip(_grads(plain, x, y), _grads(ckpt, x, y)):
+        torch.testing.assert_close(a, b)
+
+
+def test_grad_checkpointing_fallback_and_error():
+    seq = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    wrapped = models.enable_grad_checkpointing(seq, "seq")
+    x = torch.randn(3, 4, requires_grad=True)
+    wrapped.train()
+    wrapped(x).sum().backward()
+    assert x.grad is not None
+
+    class Odd(nn.Module):
+        def forward(self, x):
+            return x
+    with pytest.raises(ConfigError, match="model.grad_checkpointing=true: odd does not support"):
+        models.enable_grad_checkpointing(Odd(), "odd")
