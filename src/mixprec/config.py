@@ -22,6 +22,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DATASETS = ("digits", "synthetic")
 LOGGERS = ("wandb", "none")
 PEAK_KEYS = ("fp32", "tf32", "fp16", "bf16")
+OBJECTIVES = ("val_acc1", "val_loss", "samples_per_s", "peak_mem_gib", "train_loss", "mfu")
 
 
 class ConfigError(ValueError):
@@ -261,6 +262,8 @@ class TrainConfig:
     accum: int = 1  # micro-batches per optimizer step
     effective_batch: Optional[int] = None  # target batch*accum*world: derives accum (and batch if auto)
     seed: int = 0
+    objective: str = "val_acc1"  # the summary value train.py returns (what a sweeper optimises)
+    diagnose: bool = False  # dtype audit + tensor-core alignment before training, grad histograms
     resume: Optional[str] = None  # null, auto (this run dir's last.pt) or a run dir / checkpoint
     run_dir: str = "."  # where the run writes; train.yaml points it at Hydra's output dir
 
@@ -269,6 +272,7 @@ class TrainConfig:
                                       and self.batch >= 1)
         _check(ok, "batch", self.batch, "an int >= 1 or auto")
         _check(isinstance(self.accum, int) and self.accum >= 1, "accum", self.accum, "an int >= 1")
+        _one_of("objective", self.objective, OBJECTIVES)
         _check(self.effective_batch is None or self.effective_batch >= 1, "effective_batch",
                self.effective_batch, "null or an int >= 1")
 

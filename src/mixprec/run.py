@@ -4,6 +4,7 @@ This is the only module that reads the config; everything it builds gets plain o
 """
 from __future__ import annotations
 
+import json
 import logging
 import random
 import sys
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from . import batch_size, checkpoint, hardware, loop, models, optim, precision
+from . import batch_size, checkpoint, diagnose, hardware, loop, models, optim, precision
 from . import data as datasets
 from .config import ConfigError, TrainConfig, validate
 from .perf import Throughput
@@ -29,21 +30,29 @@ EXIT_CONFIG, EXIT_DIVERGED = 2, 3  # preemption exits with 128 + the signal numb
 
 
 def main(cfg: DictConfig) -> float | None:
-    """Hydra's task function: one clear message and a distinct exit code for each way to stop."""
+    """Hydra's task function: returns the objective (for sweepers such as Optuna); one clear
+    message and a distinct exit code for each way to stop. In a multirun a failed job raises, so
+    Hydra records it and the sweep goes on (the report shows it as a failed row)."""
     try:
-        return run(cfg)
-    except ConfigError as e:  # before training: nothing was written but Hydra's .hydra/
-        log.error("config error: %s", e)
-        raise SystemExit(EXIT_CONFIG) from None
-    except Diverged as e:
-        log.error("training diverged: %s", e)
-        raise SystemExit(EXIT_DIVERGED) from None
+        return run(cfg)[cfg.objective]
+    except (ConfigError, Diverged) as e:  # an OOM is logged in run() and raised as it is
+        config = isinstance(e, ConfigError)
+        log.error("%s: %s", "config error" if config else "training diverged", e)
+        if _multirun():
+            raise
+        raise SystemExit(EXIT_CONFIG if config else EXIT_DIVERGED) from None
     except Preempted as e:
         log.warning("preempted (%s): checkpoint written; continue with resume=auto", e)
         raise SystemExit(e.exit_code) from None
 
 
-def run(cfg: DictConfig) -> float | None:
+def _multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    return HydraConfig.initialized() and str(HydraConfig.get().mode) == "RunMode.MULTIRUN"
+
+
+def run(cfg: DictConfig) -> dict:
+    """Train as configured; returns the summary (also written to summary.json)."""
     c: TrainConfig = validate(cfg)
     run_dir = Path(c.run_dir)
     hw = hardware.resolve(c.hardware)
@@ -94,6 +103,8 @@ def run(cfg: DictConfig) -> float | None:
         ckpt_every=c.ckpt.every_steps)
     if max_batch is not None:
         tracker.log({"mem/max_batch": max_batch}, state.step)
+    if c.diagnose:
+        _diagnose(c, model, data.input_shape, device, amp, tracker, run_dir, optimizer)
     phases = hardware.PhaseMemory(model, optimizer, device)
     meter = Throughput(device, c.trainer.perf_warmup_steps)
     guard = DivergenceGuard(device, c.debug.max_bad_steps, c.debug.min_loss_scale)
@@ -122,9 +133,41 @@ def run(cfg: DictConfig) -> float | None:
                            time.perf_counter() - t0, hw, phases.result, max_batch)
         tracker.summary(summary)
         tracker.close(status)
+    if c.diagnose:
+        diagnose.loss_scale_plot(run_dir)
     log.info("done: %s", {k: summary[k] for k in ("steps", "samples_per_s", "peak_mem_gib",
                                                   "val_acc1", "skipped_steps", "loss_scale")})
-    return summary["val_acc1"]
+    return summary
+
+
+def _audit(c: TrainConfig, model, input_shape, device, amp) -> tuple[dict, str]:
+    fmt = torch.channels_last if c.model.channels_last else torch.contiguous_format
+    x = torch.randn(2, *input_shape, device=device).contiguous(memory_format=fmt)
+    result = diagnose.audit(checkpoint.unwrap(model), x, amp.autocast)
+    return result, diagnose.markdown(result, c.precision.name)
+
+
+def _diagnose(c, model, input_shape, device, amp, tracker, run_dir, optimizer) -> None:
+    result, text = _audit(c, model, input_shape, device, amp)
+    (run_dir / "diagnose.md").write_text(text)
+    (run_dir / "diagnose.json").write_text(json.dumps(result, indent=1))
+    log.info("diagnose: %.1f%% of forward FLOPs in fp16/bf16; %d misaligned layers (%.2f%% of "
+             "FLOPs); details in %s", 100 * result["low_precision_share"],
+             len(result["misaligned"]), 100 * result["misaligned_share"], run_dir / "diagnose.md")
+    tracker.table("diagnose/dtype_audit", result["modules"])
+    tracker.table("diagnose/misaligned", result["misaligned"])
+    diagnose.GradHistograms(checkpoint.unwrap(model), optimizer, c.trainer.log_every,
+                            tracker.histograms)
+
+
+def diagnose_only(cfg: DictConfig) -> str:
+    """The audit for a config without training (`python -m mixprec.diagnose`)."""
+    c = validate(cfg)
+    device = hardware.setup(hardware.resolve(c.hardware))
+    amp = precision.build(c.precision, c.scaler, device)
+    num_classes, shape = datasets.spec(c.data)
+    model = models.build(c.model, num_classes, shape, device)
+    return _audit(c, model, shape, device, amp)[1]
 
 
 def _choose_batch(c: TrainConfig, hw, device, world: int) -> tuple[int, int, int | None]:

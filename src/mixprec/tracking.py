@@ -74,6 +74,15 @@ class _WandbSink:
     def summary(self, summary: dict) -> None:
         self.run.summary.update(summary)
 
+    def table(self, name: str, rows: list[dict]) -> None:
+        cols = list(rows[0])
+        self.run.log({name: self.wandb.Table(columns=cols, data=[[str(r[c]) if isinstance(
+            r[c], list) else r[c] for c in cols] for r in rows])})
+
+    def histograms(self, values: dict, step: int) -> None:
+        self.run.log({"step": step, **{k: self.wandb.Histogram(v.numpy()) if hasattr(v, "numpy")
+                                       else v for k, v in values.items()}})
+
     def close(self, exit_code: int) -> None:
         self.run.finish(exit_code=exit_code)
 
@@ -116,6 +125,21 @@ class Tracker:
         self.metrics.write(json.dumps(row) + "\n")
         if self.sink:
             self._guard(lambda: self.sink.log({"step": step, **metrics}), "log")
+
+    def table(self, name: str, rows: list[dict]) -> None:
+        """A table to W&B (local copies are the caller's business)."""
+        if self.rank0 and self.sink and rows:
+            self._guard(lambda: self.sink.table(name, rows), "table")
+
+    def histograms(self, values: dict[str, Any], step: int) -> None:
+        """Tensors become W&B histograms; plain numbers also go to metrics.jsonl."""
+        if not self.rank0:
+            return
+        scalars = {k: v for k, v in values.items() if not hasattr(v, "numpy")}
+        if scalars:
+            self.metrics.write(json.dumps({"step": step, **scalars}) + "\n")
+        if self.sink:
+            self._guard(lambda: self.sink.histograms(values, step), "histogram")
 
     def summary(self, summary: dict[str, Any]) -> None:
         if not self.rank0:

@@ -1,0 +1,168 @@
+"""The seeds' diagnostics, as measurements.
+
+- dtype audit: under this run's autocast, which modules computed in fp16/bf16 and which stayed in
+  fp32, weighted by their share of the forward FLOPs (the seeds' "check which ops did not use FP16",
+  made quantitative).
+- tensor-core alignment: Conv/Linear layers whose *channel/feature* counts are not multiples of 8
+  (the seed's "kernel size must be a multiple of 8" is a misreading: 3x3 and 7x7 kernels are fine),
+  with their FLOP share: the cost of padding them is bounded by that share.
+- gradient histograms of the true (unscaled) gradients to W&B (GradHistograms).
+- the loss-scale history plot (loss_scale_plot).
+
+`python -m mixprec.diagnose <the same overrides as train.py>` prints the first two without training;
+`python train.py diagnose=true ...` writes them into the run dir and W&B, and adds the other two.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+
+
+def _module_flops(model: nn.Module, run_forward) -> dict[str, int]:
+    """Forward FLOPs per leaf module name (named_modules() names)."""
+    with FlopCounterMode(display=False) as counter:
+        run_forward()
+    flops = {}
+    for name, ops in counter.get_flop_counts().items():
+        if name == "Global":
+            continue
+        key = name.split(".", 1)[1] if "." in name else ""
+        flops[key] = sum(ops.values())
+    return flops
+
+
+def audit(model: nn.Module, x: torch.Tensor, autocast) -> dict:
+    """{'modules': [...], 'low_precision_share': f, 'misaligned': [...], 'misaligned_share': f}."""
+    dtypes: dict[str, str] = {}
+    handles = []
+    for name, mod in model.named_modules():
+        if next(mod.children(), None) is None:  # leaves only
+            def hook(m, args, out, name=name):
+                t = out[0] if isinstance(out, (tuple, list)) else out
+                if isinstance(t, torch.Tensor):
+                    dtypes[name] = str(t.dtype).replace("torch.", "")
+            handles.append(mod.register_forward_hook(hook))
+    was_training = model.training
+    model.eval()
+
+    def forward():
+        with torch.no_grad(), autocast():
+            model(x)
+
+    try:
+        flops = _module_flops(model, forward)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    leaf_flops = {n: flops.get(n, 0) for n in dtypes}
+    total = sum(leaf_flops.values()) or 1
+    modules = [{"module": n, "type": type(model.get_submodule(n)).__name__, "dtype": d,
+                "flops": leaf_flops[n], "share": leaf_flops[n] / total} for n, d in dtypes.items()]
+    low = sum(m["flops"] for m in modules if m["dtype"] in ("float16", "bfloat16"))
+    misaligned = []
+    for n, mod in model.named_modules():
+        if isinstance(mod, _LAYERS):
+            dims = ({"in": mod.in_features, "out": mod.out_features} if isinstance(mod, nn.Linear)
+                    else {"in": mod.in_channels // mod.groups, "out": mod.out_channels})
+            bad = [k for k, v in dims.items() if v % 8]
+            if bad:  # in/out: features for Linear, channels (per group) for Conv
+                misaligned.append({"module": n, "type": type(mod).__name__, **dims,
+                                   "not_multiple_of_8": ",".join(bad),
+                                   "share": leaf_flops.get(n, 0) / total})
+    return {"modules": modules, "total_forward_flops": total, "low_precision_share": low / total,
+            "misaligned": misaligned,
+            "misaligned_share": sum(m["share"] for m in misaligned)}
+
+
+def markdown(result: dict, precision: str) -> str:
+    fp32 = [m for m in result["modules"] if m["dtype"] == "float32" and m["flops"]]
+    lines = [f"## dtype audit ({precision})", "",
+             f"{100 * result['low_precision_share']:.1f}% of forward FLOPs ran in fp16/bf16.", ""]
+    if fp32:
+        lines += ["Modules with FLOPs that stayed in fp32:", "", "| module | type | share of FLOPs |",
+                  "|---|---|---|"]
+        lines += [f"| {m['module']} | {m['type']} | {100 * m['share']:.2f}% |"
+                  for m in sorted(fp32, key=lambda m: -m["share"])[:20]]
+    by_type: dict[tuple, float] = {}
+    for m in result["modules"]:
+        by_type[(m["type"], m["dtype"])] = by_type.get((m["type"], m["dtype"]), 0) + m["share"]
+    lines += ["", "| layer type | output dtype | share of FLOPs |", "|---|---|---|"]
+    lines += [f"| {t} | {d} | {100 * s:.2f}% |" for (t, d), s in sorted(by_type.items(),
+                                                                         key=lambda kv: -kv[1])]
+    lines += ["", "## tensor-core alignment (channels/features not multiples of 8)", ""]
+    if not result["misaligned"]:
+        lines.append("Every Conv/Linear layer is aligned.")
+    else:
+        lines += [f"{len(result['misaligned'])} layers, {100 * result['misaligned_share']:.2f}% of "
+                  "forward FLOPs (the first conv's 3 input channels are usually unavoidable):", "",
+                  "| module | type | in | out | not a multiple of 8 | share |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {m['module']} | {m['type']} | {m['in']} | {m['out']} | "
+                  f"{m['not_multiple_of_8']} | {100 * m['share']:.2f}% |" for m in result["misaligned"]]
+    return "\n".join(lines) + "\n"
+
+
+class GradHistograms:
+    """Every `every` optimizer steps, histograms of the true gradients to W&B.
+
+    Hooked before optimizer.step(), which the loop reaches only after scaler.unscale_(): the
+    values are the real gradients, never the loss-scaled ones (and skipped steps have none)."""
+
+    def __init__(self, model: nn.Module, optimizer, every: int, log) -> None:
+        self.model, self.every, self.log, self.calls = model, every, log, 0
+        optimizer.register_step_pre_hook(self._hook)
+
+    def _hook(self, *_args) -> None:
+        self.calls += 1
+        if self.calls % self.every:
+            return
+        grads = {n: p.grad.detach().float().flatten() for n, p in self.model.named_parameters()
+                 if p.grad is not None}
+        if grads:
+            allg = torch.cat(list(grads.values()))
+            self.log({"grad/all": allg.cpu(), "grad/abs_max": allg.abs().max().item()}, self.calls)
+
+
+def loss_scale_plot(run_dir: Path) -> Path | None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    pts = [(r["step"], r["amp/loss_scale"]) for r in rows if "amp/loss_scale" in r]
+    if not pts:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(*zip(*pts))
+    ax.set_yscale("log", base=2)
+    ax.set(title="loss scale", xlabel="optimizer step")
+    fig.tight_layout()
+    path = run_dir / "loss_scale.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m mixprec.diagnose [overrides...]`: the audit for a config, without training."""
+    from hydra import compose, initialize_config_dir
+
+    from .config import register_configs
+    from .run import diagnose_only
+
+    register_configs()
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(str(conf), version_base="1.3"):
+        cfg = compose("train", overrides=["run_dir=.", *(argv if argv is not None else sys.argv[1:])])
+    print(diagnose_only(cfg))
+
+
+if __name__ == "__main__":
+    main()

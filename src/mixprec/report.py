@@ -1,0 +1,243 @@
+"""Compare runs: `python -m mixprec.report <sweep dir or run dirs...>`.
+
+Reads every job's summary.json and metrics.jsonl and writes, into the (first) directory given:
+report.md and report.csv (one row per job, failed jobs included) and two PNGs: report_bars.png
+(throughput and peak memory per configuration) and report_curves.png (loss, loss scale and val
+accuracy over steps). The same table goes to the console and, with logger=wandb, to W&B as a
+wandb.Table. A Hydra callback (ReportCallback) writes it when a multirun ends.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ["run", "status", "precision", "batch", "accum", "effective_batch", "samples_per_s",
+           "speedup_vs_fp32", "peak_mem_gib", "mem_saving_vs_fp32", "mfu", "skipped_steps",
+           "loss_scale", "val_acc1", "max_batch"]
+
+
+def find_runs(paths: list[Path]) -> list[Path]:
+    """Run dirs: the given dirs themselves if they are runs, else their job subdirs."""
+    runs: list[Path] = []
+    for p in paths:
+        if (p / ".hydra").is_dir():
+            runs.append(p)
+        else:
+            jobs = [d for d in p.iterdir() if d.is_dir() and (d / ".hydra").is_dir()]
+            runs += sorted(jobs, key=lambda d: (len(d.name), d.name))
+    return runs
+
+
+def _overrides(run: Path) -> list[str]:
+    path = run / ".hydra" / "overrides.yaml"
+    if not path.exists():
+        return []
+    import yaml
+    return [o for o in yaml.safe_load(path.read_text()) or []
+            if not o.startswith(("hydra.", "run_dir", "logger"))]
+
+
+def _labels(run_dirs: list[Path]) -> list[str]:
+    """Each run named by the overrides that tell it apart from the others."""
+    overrides = [_overrides(d) for d in run_dirs]
+    common = set.intersection(*map(set, overrides)) if len(overrides) > 1 else set()
+    return [",".join(o for o in ov if o not in common) or d.name
+            for ov, d in zip(overrides, run_dirs)]
+
+
+def read_run(run: Path, label: str) -> dict[str, Any]:
+    summary_path = run / "summary.json"
+    if summary_path.exists():
+        row = json.loads(summary_path.read_text())
+    else:  # failed before training started (e.g. a config error): only Hydra's files exist
+        import yaml
+        cfg = yaml.safe_load((run / ".hydra" / "config.yaml").read_text()) or {}
+        row = {"status": "failed", "precision": (cfg.get("precision") or {}).get("name"),
+               "batch": cfg.get("batch")}
+    row["run"] = label
+    row["dir"] = str(run)
+    metrics = run / "metrics.jsonl"
+    row["curves"] = [json.loads(line) for line in metrics.read_text().splitlines()
+                     if line.strip()] if metrics.exists() else []
+    return row
+
+
+def _num(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def build_table(runs: list[dict]) -> list[dict]:
+    base = next((r for r in runs if r.get("precision") == "fp32" and r.get("status") == "completed"
+                 and _num(r.get("samples_per_s"))), None)
+    table = []
+    for r in runs:
+        row = {c: r.get(c) for c in COLUMNS}
+        sps, mem = _num(r.get("samples_per_s")), _num(r.get("peak_mem_gib"))
+        if base and sps:
+            row["speedup_vs_fp32"] = sps / base["samples_per_s"]
+        if base and mem and _num(base.get("peak_mem_gib")):
+            row["mem_saving_vs_fp32"] = 1 - mem / base["peak_mem_gib"]
+        table.append(row)
+    return table
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 10 else f"{v:,.1f}"
+    return str(v)
+
+
+def markdown(table: list[dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_fmt(row[c]) for c in COLUMNS) + " |" for row in table]
+    return "\n".join(lines) + "\n"
+
+
+def console(table: list[dict]) -> str:
+    cells = [COLUMNS] + [[_fmt(row[c]) for c in COLUMNS] for row in table]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
+    out = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def plots(runs: list[dict], out_dir: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in runs if _num(r.get("samples_per_s"))]
+    paths = []
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.5 * max(4, len(runs)) + 1))
+    for ax, key, title in ((axes[0], "samples_per_s", "throughput (samples/s)"),
+                           (axes[1], "peak_mem_gib", "peak memory (GiB)")):
+        labels = [r["run"] for r in runs]
+        values = [_num(r.get(key)) or 0.0 for r in runs]
+        colors = ["tab:blue" if r.get("status") == "completed" else "tab:red" for r in runs]
+        ax.barh(labels, values, color=colors)
+        ax.set_title(title + ("" if len(done) == len(runs) else "  (red: failed)"))
+        ax.invert_yaxis()
+    fig.tight_layout()
+    paths.append(out_dir / "report_bars.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for ax, key, title in ((axes[0], "train/loss", "train loss"),
+                           (axes[1], "amp/loss_scale", "loss scale"),
+                           (axes[2], "val/acc1", "val top-1")):
+        for r in runs:
+            pts = [(m["step"], _num(m.get(key))) for m in r["curves"] if _num(m.get(key)) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, label=r["run"])
+        ax.set_title(title)
+        ax.set_xlabel("optimizer step")
+        if key == "amp/loss_scale":
+            ax.set_yscale("log", base=2)
+    axes[2].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    paths.append(out_dir / "report_curves.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write(paths: list[Path], out_dir: Path | None = None, to_wandb: bool | None = None) -> dict:
+    """Build the report for these sweep/run dirs; returns {'table': ..., 'files': [...]}."""
+    run_dirs = find_runs(paths)
+    if not run_dirs:
+        raise SystemExit(f"no run directories (with .hydra/) under {', '.join(map(str, paths))}")
+    out_dir = out_dir or paths[0]
+    runs = [read_run(d, label) for d, label in zip(run_dirs, _labels(run_dirs))]
+    table = build_table(runs)
+    (out_dir / "report.md").write_text(markdown(table))
+    with open(out_dir / "report.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(table)
+    files = [out_dir / "report.md", out_dir / "report.csv", *plots(runs, out_dir)]
+    print(console(table))
+    print("wrote " + ", ".join(str(p) for p in files))
+    if to_wandb if to_wandb is not None else any((d / "wandb").is_dir() for d in run_dirs):
+        _to_wandb(table, files, out_dir, runs)
+    return {"table": table, "files": files}
+
+
+def _to_wandb(table: list[dict], files: list[Path], out_dir: Path, runs: list[dict]) -> None:
+    """One extra run (job_type=report) in the sweep's group, holding the table and the plots."""
+    try:
+        import wandb
+        from .tracking import wandb_mode
+        group = _group_of(Path(runs[0]["dir"]), out_dir)
+        run = wandb.init(project="mixprec", group=group, job_type="report", dir=str(out_dir),
+                         name=f"report-{out_dir.name}", mode=wandb_mode(None),
+                         reinit="finish_previous")
+        run.log({"report": wandb.Table(columns=COLUMNS, data=[[row[c] for c in COLUMNS]
+                                                              for row in table]),
+                 **{p.stem: wandb.Image(str(p)) for p in files if p.suffix == ".png"}})
+        run.finish()
+    except Exception as e:  # the local report is what matters
+        log.warning("report: W&B logging failed (%s); local files are written", e)
+
+
+def _group_of(run_dir: Path, sweep_dir: Path) -> str:
+    """The W&B group the sweep's jobs used (run.py: logger.group, else <name>-<sweep dir>)."""
+    import yaml
+    cfg = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text()) or {}
+    return (cfg.get("logger") or {}).get("group") or f"{cfg.get('name', 'default')}-{sweep_dir.name}"
+
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover
+    Callback = object
+
+
+class ReportCallback(Callback):
+    """Keeps report.md/.csv/.png in the sweep dir up to date as each multirun job ends (so a sweep
+    that Hydra ends with a failed job's error still has its report, failed rows included), and
+    logs the final table to W&B when the multirun ends."""
+
+    def on_job_end(self, config, job_return=None, **kwargs) -> None:
+        if str(config.hydra.mode) == "RunMode.MULTIRUN":
+            self._write(Path(config.hydra.sweep.dir), to_wandb=False)
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        self._write(Path(config.hydra.sweep.dir), to_wandb=None)
+
+    @staticmethod
+    def _write(sweep_dir: Path, to_wandb: bool | None) -> None:
+        if sweep_dir.is_dir() and find_runs([sweep_dir]):
+            try:
+                write([sweep_dir], to_wandb=to_wandb)
+            except Exception as e:  # never turn a finished job or sweep into a failure
+                log.warning("report for %s failed: %s", sweep_dir, e)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m mixprec.report", description=__doc__.split("\n")[0])
+    ap.add_argument("dirs", nargs="+", type=Path, help="a multirun sweep dir, or run dirs")
+    ap.add_argument("--out", type=Path, help="where to write (default: the first dir)")
+    ap.add_argument("--no-wandb", action="store_true", help="do not log the table to W&B")
+    a = ap.parse_args()
+    missing = [str(d) for d in a.dirs if not d.is_dir()]
+    if missing:
+        raise SystemExit(f"not a directory: {', '.join(missing)}")
+    write(a.dirs, a.out, to_wandb=False if a.no_wandb else None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The sweep report (table, CSV, plots; failed jobs included), the Optuna preset, and the seeds'
+diagnostics."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import diagnose, precision, report
+from mixprec.config import PrecisionConfig, ScalerConfig
+
+from conftest import ROOT, run_train
+
+CPU = torch.device("cpu")
+
+
+def rows(sweep: Path) -> list[dict]:
+    with open(sweep / "report.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_multirun_writes_the_report_and_the_cli_reproduces_it(tmp_path):
+    proc = run_train(["-m", "precision=fp32,bf16", "trainer.max_steps=4", f"hydra.sweep.dir={tmp_path}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = rows(tmp_path)
+    assert [r["precision"] for r in table] == ["fp32", "bf16"]
+    assert all(r["status"] == "completed" for r in table)
+    assert float(table[0]["speedup_vs_fp32"]) == 1.0 and float(table[1]["speedup_vs_fp32"]) > 0
+    assert (tmp_path / "report_bars.png").stat().st_size > 1000
+    assert (tmp_path / "report_curves.png").stat().st_size > 1000
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # the wandb.Table run
+    first = (tmp_path / "report.md").read_text()
+    (tmp_path / "report.md").unlink()
+    cli = subprocess.run([sys.executable, "-m", "mixprec.report", str(tmp_path), "--no-wandb"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert cli.returncode == 0, cli.stderr
+    assert (tmp_path / "report.md").read_text() == first
+    assert "precision=bf16" in cli.stdout
+
+
+@pytest.mark.slow
+def test_failed_jobs_are_failed_rows_and_the_sweep_goes_on(tmp_path):
+    proc = run_train(["-m", "batch=0,16", "trainer.max_steps=2", "logger=none",
+                      f"hydra.sweep.dir={tmp_path}"])
+    assert proc.returncode == 1  # Hydra reports the failed job once every job has run
+    table = {r["run"]: r for r in rows(tmp_path)}
+    assert table["batch=0"]["status"] == "failed"
+    assert table["batch=16"]["status"] == "completed"
+    assert "batch=0 is not allowed" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_optuna_preset_runs_two_trials(tmp_path):
+    proc = run_train(["experiment=optuna_throughput", "hydra.sweeper.n_trials=2",
+                      "model.compile=choice(false)", "batch=choice(16,32)", "trainer.max_steps=6",
+                      "trainer.perf_warmup_steps=2", "logger=none", f"hydra.sweep.dir={tmp_path}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import yaml
+    result = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
+    assert result["best_value"] > 0 and set(result["best_params"]) == {
+        "batch", "model.channels_last", "model.compile"}
+    assert len(rows(tmp_path)) == 2
+
+
+def test_report_of_bare_dirs_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="no run directories"):
+        report.write([tmp_path], to_wandb=False)
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 5, 3, padding=1)   # 5 output channels: not tensor-core aligned
+        self.fc = nn.Linear(5 * 4 * 4, 16)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.conv(x), 1))
+
+
+def amp_of(name, dtype=None):
+    return precision.build(PrecisionConfig(name=name, autocast=dtype), ScalerConfig(), CPU)
+
+
+def test_dtype_audit_and_alignment_on_a_tiny_model():
+    model, x = Tiny(), torch.randn(2, 3, 4, 4)
+    res = diagnose.audit(model, x, amp_of("bf16", "bfloat16").autocast)
+    dt = {m["module"]: m["dtype"] for m in res["modules"]}
+    assert dt == {"conv": "bfloat16", "fc": "bfloat16"}
+    conv_flops = 2 * 2 * 5 * 4 * 4 * 3 * 3 * 3  # 2*N*Cout*H*W*Cin*k*k (hand count)
+    fc_flops = 2 * 2 * 80 * 16
+    assert res["total_forward_flops"] == conv_flops + fc_flops
+    assert res["low_precision_share"] == pytest.approx(1.0)
+    (mis,) = res["misaligned"]  # conv: in 3 and out 5; fc is 80 -> 16, aligned
+    assert mis["module"] == "conv" and mis["not_multiple_of_8"] == "in,out"
+    assert mis["share"] == pytest.approx(conv_flops / (conv_flops + fc_flops))
+    fp32 = diagnose.audit(model, x, amp_of("fp32").autocast)
+    assert fp32["low_precision_share"] == 0.0
+    assert "tensor-core alignment" in diagnose.markdown(res, "bf16")
+
+
+def test_grad_histograms_see_true_not_scaled_gradients():
+    from mixprec import loop
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    nn.functional.cross_entropy(model(x), y).backward()
+    true_max = max(p.grad.abs().max().item() for p in model.parameters())
+    model.zero_grad()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = []
+    diagnose.GradHistograms(model, opt, 1, lambda values, step: seen.append(values))
+    amp = precision.build(PrecisionConfig(name="amp", autocast="float16"),
+                          ScalerConfig(init_scale=65536.0), CPU)
+    loop.train_step(model, [(x, y)], nn.functional.cross_entropy, opt, amp, precision.StepWatch(opt))
+    assert seen and seen[0]["grad/abs_max"] == pytest.approx(true_max, rel=0.05)
+    assert seen[0]["grad/all"].numel() == sum(p.numel() for p in model.parameters())
+
+
+def test_loss_scale_plot(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "amp/loss_scale": 2.0 ** (16 - s)}) + "\n" for s in range(1, 5)))
+    assert diagnose.loss_scale_plot(tmp_path).stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_diagnose_cli_prints_the_audit():
+    proc = subprocess.run([sys.executable, "-m", "mixprec.diagnose", "precision=bf16",
+                           "hardware=cpu"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "## dtype audit (bf16)" in proc.stdout and "features.0" in proc.stdout
