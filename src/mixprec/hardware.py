@@ -56,10 +56,12 @@ def resolve(hw: HardwareConfig) -> HardwareConfig:
     return hw
 
 
-def setup(hw: HardwareConfig) -> torch.device:
+def setup(hw: HardwareConfig, local_rank: int = 0) -> torch.device:
     """Apply the profile to this process; returns the device to train on."""
     device = torch.device(hw.device)
     if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = hw.cudnn_benchmark
         if hw.memory_gib is not None:
             cap_memory(hw.memory_gib, hw.name)

@@ -33,6 +33,7 @@ class LoopSettings:
     clip_grad_norm: float | None
     samples_per_step: int  # batch * accum * world
     ckpt_every: int | None = None
+    world: int = 1  # data-parallel processes (DDP)
 
 
 @dataclass
@@ -81,7 +82,7 @@ def train_step(model: nn.Module, micro_batches: list, loss_fn: Callable, optimiz
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable, loss_fn: Callable, amp: Precision,
-             reduce: Callable = lambda t: t) -> tuple[float, float]:
+             reduce: Callable = lambda t, op="sum": t) -> tuple[float, float]:
     """(mean loss, top-1 accuracy) over the whole validation set."""
     model.eval()
     sums = None
@@ -101,7 +102,8 @@ def train(model: nn.Module, data, loss_fn: Callable, optimizer, scheduler, amp: 
           tracker, state: TrainState, cfg: LoopSettings, meter: Throughput,
           memory: Callable[[], dict], guard: DivergenceGuard, stop: StopSignals | None = None,
           save: Callable[[TrainState], None] = lambda s: None,
-          no_sync: Callable = lambda model: nullcontext(), reduce: Callable = lambda t: t,
+          no_sync: Callable = lambda model: nullcontext(),
+          reduce: Callable = lambda t, op="sum": t,
           show_progress: bool = True) -> TrainState:
     watch = StepWatch(optimizer)
     steps_per_epoch = len(data.train) // cfg.accum
@@ -139,15 +141,17 @@ def train(model: nn.Module, data, loss_fn: Callable, optimizer, scheduler, amp: 
             else:  # overflow: the scaler backed off; weights and LR stay put
                 state.skipped_steps += 1
             if out.stepped and state.step % cfg.log_every == 0:
-                row = _log_row(state, optimizer, amp, out, window_loss / window_steps, meter, memory)
+                mean_loss = reduce(window_loss / window_steps) / cfg.world  # averaged over ranks
+                row = _log_row(state, optimizer, amp, out, mean_loss, meter, memory)
                 tracker.log(row, state.step)
                 bar.set_postfix(loss=f"{row['train/loss']:.4f}", scale=row["amp/loss_scale"],
                                 sps=f"{row['perf/samples_per_s']:.0f}")
                 log.info(_fmt(row, state.step, total))
                 window_loss, window_steps = torch.zeros((), device=meter.device), 0
-            if stop is not None and stop.received:
+            signum = _stop_signal(stop, cfg, state, reduce, meter.device)
+            if signum:
                 save_if_healthy(save, state, guard, model)
-                raise Preempted(stop.received)
+                raise Preempted(signum)
             if out.stepped and cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
                 save_if_healthy(save, state, guard, model)
         _evaluate(model, data, loss_fn, amp, tracker, state, meter, reduce)  # epoch end or the cap
@@ -168,6 +172,19 @@ def save_if_healthy(save: Callable, state: TrainState, guard: DivergenceGuard, m
         save(state)
     else:
         log.warning("step %d: non-finite loss or weights; checkpoint not written", state.step)
+
+
+def _stop_signal(stop: StopSignals | None, cfg: LoopSettings, state: TrainState, reduce,
+                 device) -> int:
+    """The stop signal every rank agrees on: checked each step alone, every log_every steps
+    under DDP (a collective, so that all ranks stop at the same step)."""
+    if stop is None:
+        return 0
+    if cfg.world == 1:
+        return stop.received or 0
+    if state.attempts % cfg.log_every:
+        return 0
+    return int(reduce(torch.tensor(stop.received or 0, device=device), "max"))
 
 
 def _done(state: TrainState, cfg: LoopSettings) -> bool:

@@ -49,6 +49,23 @@ def mixprec_digits_cnn(pretrained: bool = False, **kwargs) -> DigitsCNN:
     return DigitsCNN(**kwargs)
 
 
+class DigitsMLP(nn.Module):
+    """No BatchNorm, no dropout: data-parallel and single-process runs must match it exactly."""
+
+    def __init__(self, num_classes: int = 10, in_chans: int = 1, width: int = 128, **_):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.LazyLinear(width), nn.ReLU(),
+                                 nn.Linear(width, width), nn.ReLU(), nn.Linear(width, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@register_model
+def mixprec_digits_mlp(pretrained: bool = False, **kwargs) -> DigitsMLP:
+    return DigitsMLP(**kwargs)
+
+
 def check_name(name: str) -> None:
     if not timm.is_model(name):
         close = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.6)

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from . import batch_size, checkpoint, diagnose, hardware, loop, models, optim, precision
+from . import (batch_size, checkpoint, diagnose, distributed, hardware, loop, models, optim,
+               precision)
 from . import data as datasets
 from .config import ConfigError, TrainConfig, validate
 from .perf import Throughput
@@ -54,19 +55,28 @@ def _multirun() -> bool:
 def run(cfg: DictConfig) -> dict:
     """Train as configured; returns the summary (also written to summary.json)."""
     c: TrainConfig = validate(cfg)
-    run_dir = Path(c.run_dir)
     hw = hardware.resolve(c.hardware)
-    device = hardware.setup(hw)
-    _seed_everything(c.seed)
+    dd = distributed.init(hw.device)  # world 1 unless started by torchrun / SLURM
+    try:
+        return _run(c, cfg, hw, dd)
+    finally:
+        distributed.close()
+
+
+def _run(c: TrainConfig, cfg: DictConfig, hw, dd: distributed.Dist) -> dict:
+    device = hardware.setup(hw, dd.local_rank)
+    run_dir = Path(distributed.broadcast_str(c.run_dir, dd))  # rank 0's Hydra run dir
+    _seed_everything(c.seed + dd.rank)  # DDP copies rank 0's initial weights to every rank
     amp = precision.build(c.precision, c.scaler, device)
     models.check_name(c.model.name)  # fail fast, before any data is built
-    world = 1
+    world = dd.world
     batch, accum, max_batch = _choose_batch(c, hw, device, world)
     effective_batch = batch * accum * world
-    data = datasets.build(c.data, hw, batch, device, c.seed, c.model.channels_last)
+    data = datasets.build(c.data, hw, batch, device, c.seed, c.model.channels_last, dd.rank, world)
     model = models.build(c.model, data.num_classes, data.input_shape, device)
     lr = optim.scaled_lr(c.optimizer, effective_batch)
     optimizer = optim.build_optimizer(c.optimizer, model, lr, device)
+    model = distributed.wrap(model, dd, device)
     steps_per_epoch = len(data.train) // accum
     if steps_per_epoch < 1 and c.trainer.max_steps is None:
         raise ConfigError(f"batch={batch} accum={accum}: one optimizer step needs "
@@ -88,35 +98,38 @@ def run(cfg: DictConfig) -> dict:
         log.info("resumed from %s at step %d (epoch %d, micro-batch %d)", found, state.step,
                  state.epoch, state.batch_in_epoch)
     tracker = Tracker(run_dir, _wandb_settings(c, hw) if c.logger.name == "wandb" else None,
-                      resolved, run_id=blob["wandb_id"] if blob else None,
+                      resolved, run_id=blob["wandb_id"] if blob else None, rank0=dd.main,
                       resume_step=state.step if blob else None)
 
     def save(st: loop.TrainState) -> None:
-        checkpoint.save(ckpt_path, model=model, optimizer=optimizer, scaler=amp.scaler,
-                        scheduler=scheduler, state=st, config=resolved, wandb_id=tracker.run_id,
-                        keep=c.ckpt.keep)
+        if dd.main:  # one writer; every rank holds the same weights
+            checkpoint.save(ckpt_path, model=model, optimizer=optimizer, scaler=amp.scaler,
+                            scheduler=scheduler, state=st, config=resolved,
+                            wandb_id=tracker.run_id, keep=c.ckpt.keep)
 
     settings = loop.LoopSettings(
         epochs=c.trainer.epochs if c.trainer.max_steps is None else sys.maxsize,
         max_steps=c.trainer.max_steps, accum=accum, log_every=c.trainer.log_every,
         clip_grad_norm=c.trainer.clip_grad_norm, samples_per_step=effective_batch,
-        ckpt_every=c.ckpt.every_steps)
+        ckpt_every=c.ckpt.every_steps, world=world)
     if max_batch is not None:
         tracker.log({"mem/max_batch": max_batch}, state.step)
     if c.diagnose:
         _diagnose(c, model, data.input_shape, device, amp, tracker, run_dir, optimizer)
     phases = hardware.PhaseMemory(model, optimizer, device)
     meter = Throughput(device, c.trainer.perf_warmup_steps)
-    guard = DivergenceGuard(device, c.debug.max_bad_steps, c.debug.min_loss_scale)
+    guard = DivergenceGuard(device, c.debug.max_bad_steps, c.debug.min_loss_scale,
+                            reduce=distributed.all_reduce)
     torch.autograd.set_detect_anomaly(c.debug.detect_anomaly)
     hardware.reset_peak(device)
-    t0, status = time.perf_counter(), "failed"
+    t0, status, stop = time.perf_counter(), "failed", StopSignals()
     try:
-        with StopSignals() as stop:
+        with stop:
             state = loop.train(model, data, F.cross_entropy, optimizer, scheduler, amp, tracker,
                                state, settings, meter, memory=lambda: hardware.memory_stats(device),
-                               guard=guard, stop=stop, save=save,
-                               show_progress=sys.stderr.isatty())
+                               guard=guard, stop=stop, save=save, no_sync=distributed.no_sync,
+                               reduce=distributed.all_reduce,
+                               show_progress=sys.stderr.isatty() and dd.main)
         loop.save_if_healthy(save, state, guard, model)
         status = "completed"
     except Preempted:
@@ -133,7 +146,9 @@ def run(cfg: DictConfig) -> dict:
                            time.perf_counter() - t0, hw, phases.result, max_batch)
         tracker.summary(summary)
         tracker.close(status)
-    if c.diagnose:
+        if status == "preempted":
+            stop.forward()  # e.g. submitit's handler: requeue the job (it resumes with resume=auto)
+    if c.diagnose and dd.main:
         diagnose.loss_scale_plot(run_dir)
     log.info("done: %s", {k: summary[k] for k in ("steps", "samples_per_s", "peak_mem_gib",
                                                   "val_acc1", "skipped_steps", "loss_scale")})
@@ -226,7 +241,9 @@ def _auto_batch(c: TrainConfig, hw, device) -> tuple[int, int]:
            "memory_gib": hw.memory_gib, "torch": torch.__version__,
            "clip": c.trainer.clip_grad_norm is not None, "resolution": bs.resolution}
     t0 = time.perf_counter()
-    found, hit = batch_size.cached(key, settings, lambda: batch_size.search(probe, settings))
+    found, hit = batch_size.cached(key, settings, lambda: batch_size.search(
+        probe, settings, agree=distributed.all_min))
+    found = distributed.all_min(found)  # a rank that read a different cache still agrees
     batch = batch_size.with_margin(found, bs.margin)
     log.info("batch=auto: largest micro-batch that trains is %d (%s, %.1fs); using %d (margin "
              "%.0f%%, rounded to a multiple of 8)", found, "cached" if hit else "searched",

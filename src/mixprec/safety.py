@@ -28,9 +28,11 @@ class DivergenceGuard:
     `check()` is called where the loop syncs anyway (log steps) and before every checkpoint.
     """
 
-    def __init__(self, device: torch.device, max_bad_steps: int, min_scale: float) -> None:
+    def __init__(self, device: torch.device, max_bad_steps: int, min_scale: float,
+                 reduce=lambda t, op="max": t) -> None:
         self.bad = torch.zeros((), dtype=torch.int64, device=device)
         self.max_bad_steps, self.min_scale = max_bad_steps, min_scale
+        self.reduce = reduce  # DDP: every rank decides on the worst rank's count
 
     def update(self, loss: torch.Tensor) -> None:
         self.bad = torch.where(torch.isfinite(loss), 0, self.bad + 1)
@@ -40,10 +42,11 @@ class DivergenceGuard:
 
         The loss is computed before the update, so the weights are checked too."""
         norms = torch._foreach_norm([p.detach() for p in params])
-        return int(self.bad) == 0 and bool(torch.isfinite(torch.stack(norms)).all())
+        bad = self.bad + (~torch.isfinite(torch.stack(norms)).all()).long()
+        return int(self.reduce(bad, "max")) == 0
 
     def check(self, step: int, loss: float, scale: float | None, lr: float) -> None:
-        bad = int(self.bad)
+        bad = int(self.reduce(self.bad, "max"))
         if bad >= self.max_bad_steps:
             raise Diverged(
                 f"non-finite loss ({loss}) for {bad} steps in a row at step {step} "
@@ -60,9 +63,11 @@ class DivergenceGuard:
 
 
 class StopSignals:
-    """Sets a flag on SIGTERM/SIGUSR1 (SLURM's --signal, a scheduler's preemption notice)."""
+    """Sets a flag on SIGTERM/SIGUSR1/SIGUSR2 (a scheduler's preemption or time-limit notice:
+    SLURM's --signal, submitit's USR2). After the run has checkpointed, `forward()` hands the
+    signal to the handler that was there before (submitit's, which requeues the job)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
     def __init__(self) -> None:
         self.received: int | None = None
@@ -80,3 +85,8 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+
+    def forward(self) -> None:
+        handler = self._previous.get(self.received)
+        if callable(handler):
+            handler(self.received, None)

@@ -1,0 +1,104 @@
+"""Data parallelism through torch.distributed: torchrun (or SLURM through submitit) starts one
+process per GPU (NCCL) or per CPU worker (gloo); DDP averages gradients; rank 0 alone writes.
+
+No home-made launcher: the environment torchrun/SLURM set up is read here, nothing else.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+
+def _env_world() -> tuple[int, int, int] | None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun
+        return (int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)),
+                int(os.environ["WORLD_SIZE"]))
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
+        return (int(os.environ["SLURM_PROCID"]), int(os.environ.get("SLURM_LOCALID", 0)),
+                int(os.environ["SLURM_NTASKS"]))
+    return None
+
+
+def init(device_type: str) -> Dist:
+    """Join the process group if this process was started as one of several; else world 1."""
+    env = _env_world()
+    if env is None:
+        return Dist()
+    rank, local_rank, world = env
+    if "MASTER_ADDR" not in os.environ:  # SLURM: the first node of the job hosts the store
+        nodes = os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1")
+        os.environ["MASTER_ADDR"] = nodes.split(",")[0].split("[")[0]
+        os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", 0)) % 1000))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(minutes=10))
+    return Dist(rank, local_rank, world)
+
+
+def wrap(model: nn.Module, d: Dist, device: torch.device) -> nn.Module:
+    if not d.enabled:
+        return model
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def no_sync(model: nn.Module):
+    """Skip the gradient all-reduce on all but the last micro-batch of an accumulation."""
+    return model.no_sync() if isinstance(model, DDP) else nullcontext()
+
+
+def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """A reduced copy over all ranks (op: sum or max); the tensor itself without a group."""
+    if dist.is_initialized():
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t
+
+
+def all_min(value: int) -> int:
+    """The smallest value over all ranks (batch=auto agreement; any rank's 'no' wins)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def broadcast_str(value: str, d: Dist) -> str:
+    """Rank 0's string on every rank (the run dir: only rank 0's Hydra made one)."""
+    if not d.enabled:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,123 @@
+"""Data parallel on the CPU (gloo): 2 processes under torchrun match 1 process with the same
+effective batch; accumulation all-reduces once per optimizer step; rank 0 alone writes."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mixprec import distributed, loop, precision
+from mixprec.config import PrecisionConfig, ScalerConfig
+
+from conftest import ROOT, run_train
+
+COMMON = ["model=digits_mlp", "trainer.max_steps=6", "trainer.log_every=1", "hardware=cpu",
+          "scheduler=constant"]
+
+
+def losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/loss"] for r in rows if "train/loss" in r]
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_match_one_process(tmp_path):
+    ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", str(ROOT / "train.py"), *COMMON, "batch=16",
+                           "accum=2", f"hydra.run.dir={ddp_dir}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    single = run_train([*COMMON, "batch=32", "accum=2", "logger=none", f"hydra.run.dir={single_dir}"])
+    assert single.returncode == 0, single.stderr[-3000:]
+
+    s = json.loads((ddp_dir / "summary.json").read_text())
+    assert (s["world_size"], s["batch"], s["accum"], s["effective_batch"]) == (2, 16, 2, 64)
+    assert len(list((ddp_dir / "wandb").glob("offline-run-*"))) == 1  # exactly one W&B run
+    torch.testing.assert_close(losses(ddp_dir), losses(single_dir), rtol=1e-5, atol=1e-6)
+    w_ddp = torch.load(ddp_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    w_one = torch.load(single_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    for k in w_one:
+        torch.testing.assert_close(w_ddp[k], w_one[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_accumulation_all_reduces_once_per_optimizer_step(gloo_world_of_one):
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(),
+                                                              nn.Linear(16, 3)))
+    calls = []
+
+    def count(state, bucket):
+        calls.append(1)
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    model.register_comm_hook(None, count)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp = precision.build(PrecisionConfig(), ScalerConfig(), torch.device("cpu"))
+    micro = [(torch.randn(4, 8), torch.randint(0, 3, (4,))) for _ in range(4)]
+    loop.train_step(model, micro, nn.functional.cross_entropy, opt, amp, precision.StepWatch(opt),
+                    no_sync=distributed.no_sync)
+    assert len(calls) == 1  # the last micro-batch only (one bucket for this small model)
+    calls.clear()
+    loop.train_step(model, micro, nn.functional.cross_entropy, opt, amp, precision.StepWatch(opt))
+    assert len(calls) == 4  # without no_sync every micro-batch would all-reduce
+
+
+def test_batch_auto_agreement_takes_the_minimum(gloo_world_of_one):
+    assert distributed.all_min(37) == 37
+    assert distributed.all_reduce(torch.tensor(3.0)).item() == 3.0
+
+
+def test_slurm_environment_is_read(monkeypatch):
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert distributed._env_world() == (3, 1, 4)
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert distributed._env_world() is None
+
+
+@pytest.mark.slow
+def test_submitit_local_multirun_of_two_jobs(tmp_path):
+    proc = run_train(["-m", "hydra/launcher=local", "precision=fp32,bf16", "trainer.max_steps=2",
+                      "logger=none", f"hydra.sweep.dir={tmp_path}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = [json.loads((tmp_path / j / "summary.json").read_text()) for j in ("0", "1")]
+    assert {s["precision"] for s in summaries} == {"fp32", "bf16"}
+    assert all(s["status"] == "completed" for s in summaries)
+    assert (tmp_path / "report.md").exists()
+
+
+def test_stop_signals_hand_over_to_the_previous_handler():
+    import signal
+    from mixprec.safety import StopSignals
+    seen = []
+    old = signal.signal(signal.SIGUSR2, lambda s, f: seen.append(s))  # e.g. submitit's requeue
+    try:
+        with StopSignals() as stop:
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert stop.received == signal.SIGUSR2 and not seen  # only a flag, nothing else
+        stop.forward()
+        assert seen == [signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, old)
