@@ -80,3 +80,30 @@ def test_multirun_gives_one_run_dir_and_one_wandb_run_per_job(tmp_path):
         precisions.add(summary["precision"])
         ids |= {p.stem for p in (d / "wandb").glob("offline-run-*/run-*.wandb")}
     assert precisions == {"fp32", "amp", "bf16"} and len(ids) == 3
+
+
+def test_a_wandb_failure_never_stops_training(cfg_factory, monkeypatch):
+    import wandb
+
+    def broken_init(*a, **k):
+        raise ConnectionError("W&B is down")
+    monkeypatch.setattr(wandb, "init", broken_init)
+    cfg = cfg_factory("logger=wandb", "trainer.max_steps=3")
+    with pytest.warns(RuntimeWarning, match="W&B init failed .*W&B is down"):
+        run.run(cfg)
+    d = Path(cfg.run_dir)
+    assert json.loads((d / "summary.json").read_text())["status"] == "completed"
+    assert len(read_jsonl(d / "metrics.jsonl")) >= 3
+
+
+def test_report_table_has_ratios_to_fp32(tmp_path):
+    from mixprec import report
+    runs = [{"precision": "fp32", "status": "completed", "samples_per_s": 100.0,
+             "peak_mem_gib": 20.0, "max_batch": 288},
+            {"precision": "amp", "status": "completed", "samples_per_s": 250.0,
+             "peak_mem_gib": 10.0, "max_batch": 560},
+            {"precision": "bf16", "status": "failed"}]
+    t = report.build_table(runs)
+    assert t[1]["speedup_vs_fp32"] == 2.5 and t[1]["mem_saving_vs_fp32"] == 0.5
+    assert t[1]["max_batch_vs_fp32"] == pytest.approx(560 / 288)
+    assert t[2]["status"] == "failed" and t[2]["speedup_vs_fp32"] is None

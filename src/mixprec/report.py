@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 COLUMNS = ["run", "status", "precision", "batch", "accum", "effective_batch", "samples_per_s",
            "speedup_vs_fp32", "peak_mem_gib", "mem_saving_vs_fp32", "mfu", "skipped_steps",
-           "loss_scale", "val_acc1", "max_batch"]
+           "loss_scale", "val_acc1", "max_batch", "max_batch_vs_fp32"]
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
@@ -88,6 +88,8 @@ def build_table(runs: list[dict]) -> list[dict]:
             row["speedup_vs_fp32"] = sps / base["samples_per_s"]
         if base and mem and _num(base.get("peak_mem_gib")):
             row["mem_saving_vs_fp32"] = 1 - mem / base["peak_mem_gib"]
+        if base and _num(r.get("max_batch")) and _num(base.get("max_batch")):
+            row["max_batch_vs_fp32"] = r["max_batch"] / base["max_batch"]
         table.append(row)
     return table
 
