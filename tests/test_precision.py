@@ -252,3 +252,17 @@ def test_the_loop_counts_skipped_steps_and_holds_the_scheduler(tmp_path):
     train_rows = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
     assert train_rows[0]["amp/skipped_steps"] == 2 and train_rows[0]["amp/loss_scale"] == 256.0
+
+
+def test_mfu_flop_count_matches_a_hand_count():
+    from mixprec import perf
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+    amp = precision.build(PrecisionConfig(name="fp32"), ScalerConfig(), CPU)
+    conv = 2 * 8 * 8 * 8 * 3 * 3 * 3  # 2 * Cout * H * W * Cin * k * k per sample
+    linear = 2 * 512 * 10
+    # backward: weight grads for both; input grad for the linear only (the image needs none)
+    want = conv + linear + conv + 2 * linear
+    assert perf.train_flops_per_sample(model, (3, 8, 8), 10, CPU, amp.autocast) == want
+    assert all(p.grad is None for p in model.parameters())  # counted on a copy
+    assert perf.mfu(want, 1000.0, 1.0) == pytest.approx(want * 1000 / 1e12)
+    assert perf.mfu(want, 1000.0, None) is None

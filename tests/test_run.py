@@ -107,3 +107,11 @@ def test_report_table_has_ratios_to_fp32(tmp_path):
     assert t[1]["speedup_vs_fp32"] == 2.5 and t[1]["mem_saving_vs_fp32"] == 0.5
     assert t[1]["max_batch_vs_fp32"] == pytest.approx(560 / 288)
     assert t[2]["status"] == "failed" and t[2]["speedup_vs_fp32"] is None
+
+
+def test_mfu_is_reported_when_the_peak_is_known(cfg_factory):
+    cfg = cfg_factory("+hardware.peak_tflops.fp32=0.5", "trainer.max_steps=4")
+    summary = run.run(cfg)
+    rows = [r for r in read_jsonl(Path(cfg.run_dir) / "metrics.jsonl") if "perf/mfu" in r]
+    assert 0 < summary["mfu"] < 1 and rows and all(0 < r["perf/mfu"] < 1 for r in rows)
+    assert run.run(cfg_factory("trainer.max_steps=2", "run_dir=" + str(Path(cfg.run_dir) / "x")))["mfu"] is None

@@ -209,7 +209,8 @@ def _log_row(state, optimizer, amp, out, mean_loss, meter, memory) -> dict:
             "train/lr": optimizer.param_groups[-1]["lr"],
             "train/grad_norm": float(out.grad_norm) if out.grad_norm is not None else None,
             "amp/loss_scale": amp.loss_scale(), "amp/skipped_steps": state.skipped_steps,
-            "perf/samples_per_s": sps, "perf/step_ms": step_ms, **memory()}
+            "perf/samples_per_s": sps, "perf/step_ms": step_ms, "perf/mfu": meter.mfu(sps),
+            **memory()}
 
 
 def _fmt(row: dict, step: int, total: int) -> str:

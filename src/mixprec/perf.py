@@ -8,8 +8,9 @@ import torch
 
 
 class Throughput:
-    def __init__(self, device: torch.device, warmup_steps: int) -> None:
-        self.device, self.warmup_steps = device, warmup_steps
+    def __init__(self, device: torch.device, warmup_steps: int,
+                 mfu=lambda samples_per_s: None) -> None:
+        self.device, self.warmup_steps, self.mfu = device, warmup_steps, mfu
         self.samples = 0  # all samples processed (warm-up included)
         self._win_samples = self._win_attempts = 0
         self._steady = None  # (time, samples) when warm-up ended
@@ -60,3 +61,30 @@ class Throughput:
         dt = end - t0 - self._paused
         self.elapsed = end - self._t_start
         self.steady_rate = (self.samples - s0) / dt if dt > 0 and self.samples > s0 else None
+
+
+def train_flops_per_sample(model: torch.nn.Module, input_shape, num_classes: int,
+                           device: torch.device, autocast, batch: int = 2) -> int:
+    """Forward + backward FLOPs of one sample, counted once by torch.utils.flop_counter on a copy
+    of the real model (so BatchNorm statistics and gradients of the run are untouched)."""
+    import copy
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    twin = copy.deepcopy(model).train()
+    x = torch.randn(batch, *input_shape, device=device)
+    y = torch.randint(0, num_classes, (batch,), device=device)
+    with FlopCounterMode(display=False) as counter:
+        with autocast():
+            loss = torch.nn.functional.cross_entropy(twin(x).float(), y)
+        loss.backward()
+    del twin
+    return counter.get_total_flops() // batch
+
+
+def mfu(flops_per_sample: int | None, samples_per_s: float | None, peak_tflops: float | None,
+        world: int = 1) -> float | None:
+    """Model FLOPs utilisation: achieved training FLOP/s over the devices' dense peak."""
+    if not flops_per_sample or not samples_per_s or not peak_tflops:
+        return None
+    return flops_per_sample * samples_per_s / (peak_tflops * 1e12 * world)

@@ -20,6 +20,7 @@ from . import (batch_size, checkpoint, diagnose, distributed, hardware, loop, mo
                precision)
 from . import data as datasets
 from .config import ConfigError, TrainConfig, validate
+from . import perf
 from .perf import Throughput
 from .safety import DivergenceGuard, Diverged, Preempted, StopSignals
 from .tracking import Tracker, wandb_mode
@@ -117,7 +118,12 @@ def _run(c: TrainConfig, cfg: DictConfig, hw, dd: distributed.Dist) -> dict:
     if c.diagnose:
         _diagnose(c, model, data.input_shape, device, amp, tracker, run_dir, optimizer)
     phases = hardware.PhaseMemory(model, optimizer, device)
-    meter = Throughput(device, c.trainer.perf_warmup_steps)
+    peak = hw.peak_tflops.get(amp.peak_key)
+    flops = (perf.train_flops_per_sample(checkpoint.unwrap(model), data.input_shape,
+                                         data.num_classes, device, amp.autocast)
+             if peak else None)  # MFU needs a known peak: skip the count where there is none
+    meter = Throughput(device, c.trainer.perf_warmup_steps,
+                       mfu=lambda sps: perf.mfu(flops, sps, peak, world))
     guard = DivergenceGuard(device, c.debug.max_bad_steps, c.debug.min_loss_scale,
                             reduce=distributed.all_reduce)
     torch.autograd.set_detect_anomaly(c.debug.detect_anomaly)
@@ -297,7 +303,8 @@ def _summary(c: TrainConfig, status, state, meter, amp, batch, accum, world, dev
             "effective_batch": batch * accum * world, "world_size": world, "steps": state.step,
             "samples_per_s": meter.steady_rate, "peak_mem_gib": mem["mem/peak_gib"],
             "val_acc1": state.val_acc1, "val_loss": state.val_loss, "train_loss": state.last_loss,
-            "skipped_steps": state.skipped_steps, "loss_scale": scale, "mfu": None,
+            "skipped_steps": state.skipped_steps, "loss_scale": scale,
+            "mfu": meter.mfu(meter.steady_rate),
             "wall_s": wall_s, "model": c.model.name, "hardware": hw.name, "device": str(device),
             "torch": torch.__version__, "max_batch": max_batch,
             "grad_checkpointing": c.model.grad_checkpointing, "memory_cap_gib": hw.memory_gib,
