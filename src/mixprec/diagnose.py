@@ -131,6 +131,22 @@ class GradHistograms:
             self.log({"grad/all": allg.cpu(), "grad/abs_max": allg.abs().max().item()}, self.calls)
 
 
+def on_run(model: nn.Module, optimizer, x: torch.Tensor, amp, tracker, run_dir: Path,
+           every: int) -> None:
+    """diagnose=true: the audit into the run dir and W&B, then gradient histograms as it trains."""
+    import logging
+    result = audit(model, x, amp.autocast)
+    (run_dir / "diagnose.md").write_text(markdown(result, amp.name))
+    (run_dir / "diagnose.json").write_text(json.dumps(result, indent=1))
+    logging.getLogger("mixprec").info(
+        "diagnose: %.1f%% of forward FLOPs in fp16/bf16; %d misaligned layers (%.2f%% of FLOPs); "
+        "details in %s", 100 * result["low_precision_share"], len(result["misaligned"]),
+        100 * result["misaligned_share"], run_dir / "diagnose.md")
+    tracker.table("diagnose/dtype_audit", result["modules"])
+    tracker.table("diagnose/misaligned", result["misaligned"])
+    GradHistograms(model, optimizer, every, tracker.histograms)
+
+
 def loss_scale_plot(run_dir: Path) -> Path | None:
     import matplotlib
     matplotlib.use("Agg")

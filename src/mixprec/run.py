@@ -4,7 +4,6 @@ This is the only module that reads the config; everything it builds gets plain o
 """
 from __future__ import annotations
 
-import json
 import logging
 import random
 import sys
@@ -116,7 +115,8 @@ def _run(c: TrainConfig, cfg: DictConfig, hw, dd: distributed.Dist) -> dict:
     if max_batch is not None:
         tracker.log({"mem/max_batch": max_batch}, state.step)
     if c.diagnose:
-        _diagnose(c, model, data.input_shape, device, amp, tracker, run_dir, optimizer)
+        diagnose.on_run(checkpoint.unwrap(model), optimizer, _example(c, data.input_shape, device),
+                        amp, tracker, run_dir, c.trainer.log_every)
     phases = hardware.PhaseMemory(model, optimizer, device)
     peak = hw.peak_tflops.get(amp.peak_key)
     flops = (perf.train_flops_per_sample(checkpoint.unwrap(model), data.input_shape,
@@ -128,7 +128,7 @@ def _run(c: TrainConfig, cfg: DictConfig, hw, dd: distributed.Dist) -> dict:
                             reduce=distributed.all_reduce)
     torch.autograd.set_detect_anomaly(c.debug.detect_anomaly)
     hardware.reset_peak(device)
-    t0, status, stop = time.perf_counter(), "failed", StopSignals()
+    t0, status, stop, oom = time.perf_counter(), "failed", StopSignals(), ""
     try:
         with stop:
             state = loop.train(model, data, F.cross_entropy, optimizer, scheduler, amp, tracker,
@@ -141,12 +141,12 @@ def _run(c: TrainConfig, cfg: DictConfig, hw, dd: distributed.Dist) -> dict:
     except Preempted:
         status = "preempted"
         raise
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError:  # not re-raised here: its traceback would pin the tensors
         mem = hardware.memory_stats(device)
-        log.error("out of GPU memory at batch=%d (peak %.2f GiB, cap %s GiB on %s); try a "
-                  "smaller batch, model.grad_checkpointing=true, or batch=auto", batch,
-                  mem["mem/peak_gib"], hw.memory_gib, hw.name)
-        raise
+        oom = (f"out of GPU memory at batch={batch} (peak {mem['mem/peak_gib']:.2f} GiB, cap "
+               f"{hw.memory_gib} GiB on {hw.name}); try a smaller batch, "
+               "model.grad_checkpointing=true, or batch=auto")
+        log.error(oom)
     finally:
         summary = _summary(c, status, state, meter, amp, batch, accum, world, device,
                            time.perf_counter() - t0, hw, phases.result, max_batch)
@@ -154,31 +154,14 @@ def _run(c: TrainConfig, cfg: DictConfig, hw, dd: distributed.Dist) -> dict:
         tracker.close(status)
         if status == "preempted":
             stop.forward()  # e.g. submitit's handler: requeue the job (it resumes with resume=auto)
+    if status == "failed":  # only an OOM gets here: a fresh error, the failed step's memory freed
+        batch_size.release()
+        raise torch.OutOfMemoryError(oom)
     if c.diagnose and dd.main:
         diagnose.loss_scale_plot(run_dir)
     log.info("done: %s", {k: summary[k] for k in ("steps", "samples_per_s", "peak_mem_gib",
                                                   "val_acc1", "skipped_steps", "loss_scale")})
     return summary
-
-
-def _audit(c: TrainConfig, model, input_shape, device, amp) -> tuple[dict, str]:
-    fmt = torch.channels_last if c.model.channels_last else torch.contiguous_format
-    x = torch.randn(2, *input_shape, device=device).contiguous(memory_format=fmt)
-    result = diagnose.audit(checkpoint.unwrap(model), x, amp.autocast)
-    return result, diagnose.markdown(result, c.precision.name)
-
-
-def _diagnose(c, model, input_shape, device, amp, tracker, run_dir, optimizer) -> None:
-    result, text = _audit(c, model, input_shape, device, amp)
-    (run_dir / "diagnose.md").write_text(text)
-    (run_dir / "diagnose.json").write_text(json.dumps(result, indent=1))
-    log.info("diagnose: %.1f%% of forward FLOPs in fp16/bf16; %d misaligned layers (%.2f%% of "
-             "FLOPs); details in %s", 100 * result["low_precision_share"],
-             len(result["misaligned"]), 100 * result["misaligned_share"], run_dir / "diagnose.md")
-    tracker.table("diagnose/dtype_audit", result["modules"])
-    tracker.table("diagnose/misaligned", result["misaligned"])
-    diagnose.GradHistograms(checkpoint.unwrap(model), optimizer, c.trainer.log_every,
-                            tracker.histograms)
 
 
 def diagnose_only(cfg: DictConfig) -> str:
@@ -188,7 +171,13 @@ def diagnose_only(cfg: DictConfig) -> str:
     amp = precision.build(c.precision, c.scaler, device)
     num_classes, shape = datasets.spec(c.data)
     model = models.build(c.model, num_classes, shape, device)
-    return _audit(c, model, shape, device, amp)[1]
+    result = diagnose.audit(model, _example(c, shape, device), amp.autocast)
+    return diagnose.markdown(result, amp.name)
+
+
+def _example(c: TrainConfig, input_shape, device) -> torch.Tensor:
+    fmt = torch.channels_last if c.model.channels_last else torch.contiguous_format
+    return torch.randn(2, *input_shape, device=device).contiguous(memory_format=fmt)
 
 
 def _choose_batch(c: TrainConfig, hw, device, world: int) -> tuple[int, int, int | None]:
