@@ -15,7 +15,12 @@ GROUPS = ["precision", "scaler", "optimizer", "scheduler", "hardware", "model", 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in group_options(g)])
 def test_every_option_composes_and_validates(group, option):
-    cfg = compose_cfg([f"{group}={option}"])
+    if (group, option) in (("data", "imagenet"), ("data", "cifar10")):
+        with pytest.raises(ConfigError, match=f"data.root=None is not allowed.*data={option}"):
+            validate(compose_cfg([f"{group}={option}"]))
+        cfg = compose_cfg([f"{group}={option}", "data.root=/some/dir"])
+    else:
+        cfg = compose_cfg([f"{group}={option}"])
     c = validate(cfg)
     assert isinstance(c, TrainConfig)
     if group == "precision":

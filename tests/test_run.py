@@ -115,3 +115,15 @@ def test_mfu_is_reported_when_the_peak_is_known(cfg_factory):
     rows = [r for r in read_jsonl(Path(cfg.run_dir) / "metrics.jsonl") if "perf/mfu" in r]
     assert 0 < summary["mfu"] < 1 and rows and all(0 < r["perf/mfu"] < 1 for r in rows)
     assert run.run(cfg_factory("trainer.max_steps=2", "run_dir=" + str(Path(cfg.run_dir) / "x")))["mfu"] is None
+
+
+def test_report_pools_seeds():
+    from mixprec import report
+    runs = [{"run": f"precision={p},seed={s}", "status": "completed", "val_acc1": a,
+             "samples_per_s": 10.0 + s}
+            for p, accs in (("fp32", (0.9, 0.92, 0.94)), ("bf16", (0.8, 0.9, 1.0)))
+            for s, a in enumerate(accs)]
+    pooled = {g["config"]: g for g in report.seed_groups(runs)}
+    assert pooled["precision=fp32"]["n"] == 3
+    assert pooled["precision=fp32"]["val_acc1"] == pytest.approx((0.92, 0.02))
+    assert pooled["precision=bf16"]["val_acc1"] == pytest.approx((0.9, 0.1))

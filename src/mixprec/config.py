@@ -19,7 +19,7 @@ OPTIMIZERS = ("sgd", "adamw")
 LR_SCALING = ("linear", "sqrt", "none")
 SCHEDULERS = ("cosine", "step", "onecycle", "constant")
 DEVICES = ("auto", "cpu", "cuda")
-DATASETS = ("digits", "synthetic")
+DATASETS = ("digits", "synthetic", "imagenet", "cifar10")
 LOGGERS = ("wandb", "none")
 PEAK_KEYS = ("fp32", "tf32", "fp16", "bf16")
 OBJECTIVES = ("val_acc1", "val_loss", "samples_per_s", "peak_mem_gib", "train_loss", "mfu")
@@ -160,6 +160,12 @@ class DataConfig:
     num_classes: int = 1000  # synthetic: label range
     steps_per_epoch: int = 100  # synthetic: micro-batches per epoch
     val_steps: int = 2  # synthetic: evaluation micro-batches
+    root: Optional[str] = None  # imagenet: holds train/<class>/ and val/<class>/; cifar10: the data dir
+    image_size: int = 224  # imagenet: training crop and evaluation centre crop
+    eval_resize: int = 256  # imagenet: resize before the evaluation centre crop
+    subset: Optional[int] = None  # imagenet/cifar10: use this many samples per split (quick runs)
+    download: bool = False  # cifar10: download when missing (needs a network)
+    bad_images: str = "fail"  # imagenet: an unreadable image stops the run (fail) or is skipped
 
     def __post_init__(self) -> None:
         _one_of("data", self.name, DATASETS)
@@ -169,6 +175,10 @@ class DataConfig:
         _check(self.num_classes >= 2, "data.num_classes", self.num_classes, ">= 2")
         _check(self.steps_per_epoch >= 1, "data.steps_per_epoch", self.steps_per_epoch, ">= 1")
         _check(self.val_steps >= 1, "data.val_steps", self.val_steps, ">= 1")
+        _one_of("data.bad_images", self.bad_images, ("fail", "skip"))
+        _check(self.subset is None or self.subset >= 1, "data.subset", self.subset, "null or >= 1")
+        _check(self.name not in ("imagenet", "cifar10") or bool(self.root), "data.root", self.root,
+               f"a directory for data={self.name}")
 
 
 @dataclass

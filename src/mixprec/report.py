@@ -94,6 +94,26 @@ def build_table(runs: list[dict]) -> list[dict]:
     return table
 
 
+def seed_groups(runs: list[dict]) -> list[dict]:
+    """Runs that differ only in `seed=`, pooled: val top-1 and samples/s as mean +- std."""
+    import statistics
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        if r.get("status") == "completed":
+            key = ",".join(p for p in r["run"].split(",") if not p.startswith("seed=")) or "all"
+            groups.setdefault(key, []).append(r)
+    out = []
+    for key, rs in groups.items():
+        if len(rs) < 2:
+            continue
+        row = {"config": key, "n": len(rs)}
+        for k in ("val_acc1", "samples_per_s"):
+            vals = [_num(r.get(k)) for r in rs if _num(r.get(k)) is not None]
+            row[k] = (statistics.mean(vals), statistics.stdev(vals)) if len(vals) > 1 else None
+        out.append(row)
+    return out
+
+
 def _fmt(v: Any) -> str:
     if v is None:
         return "-"
@@ -165,7 +185,14 @@ def write(paths: list[Path], out_dir: Path | None = None, to_wandb: bool | None 
     out_dir = out_dir or paths[0]
     runs = [read_run(d, label) for d, label in zip(run_dirs, _labels(run_dirs))]
     table = build_table(runs)
-    (out_dir / "report.md").write_text(markdown(table))
+    text = markdown(table)
+    pooled = seed_groups(runs)
+    if pooled:
+        text += "\n## Over seeds (mean ± std)\n\n| config | runs | val top-1 | samples/s |\n|---|---|---|---|\n"
+        text += "".join(f"| {g['config']} | {g['n']} | " + " | ".join(
+            f"{g[k][0]:.4f} ± {g[k][1]:.4f}" if g[k] else "-" for k in ("val_acc1", "samples_per_s"))
+            + " |\n" for g in pooled)
+    (out_dir / "report.md").write_text(text)
     with open(out_dir / "report.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()

@@ -12,7 +12,7 @@ from typing import Iterable, Protocol
 import torch
 
 from ..config import DataConfig, HardwareConfig
-from . import digits, synthetic
+from . import digits, images, synthetic
 
 
 class TrainLoader(Protocol):
@@ -33,6 +33,10 @@ def spec(dcfg: DataConfig) -> tuple[int, tuple[int, int, int]]:
     """(num_classes, input shape C,H,W) without loading anything (for batch=auto's probes)."""
     if dcfg.name == "synthetic":
         return dcfg.num_classes, tuple(dcfg.shape)
+    if dcfg.name == "imagenet":
+        return images.folder_spec(dcfg)
+    if dcfg.name == "cifar10":
+        return 10, (3, 32, 32)
     return digits.NUM_CLASSES, digits.INPUT_SHAPE
 
 
@@ -41,4 +45,8 @@ def build(dcfg: DataConfig, hw: HardwareConfig, batch: int, device: torch.device
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     if dcfg.name == "synthetic":
         return synthetic.build(dcfg, batch, device, fmt, seed + rank)
+    if dcfg.name == "imagenet":
+        return images.build_folder(dcfg, hw, batch, device, fmt, seed, rank, world)
+    if dcfg.name == "cifar10":
+        return images.build_cifar10(dcfg, hw, batch, device, fmt, seed, rank, world)
     return digits.build(dcfg, hw, batch, device, fmt, seed, rank, world)

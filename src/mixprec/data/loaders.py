@@ -18,13 +18,15 @@ class EpochLoader:
 
     def __init__(self, dataset: Dataset, batch: int, device: torch.device,
                  fmt: torch.memory_format, seed: int, rank: int, world: int, num_workers: int = 0,
-                 pin_memory: bool = False, shuffle: bool = True, drop_last: bool = True) -> None:
+                 pin_memory: bool = False, shuffle: bool = True, drop_last: bool = True,
+                 collate_fn=None) -> None:
         self.sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle,
                                           seed=seed, drop_last=drop_last)
         self.dataset, self.batch, self.device, self.fmt = dataset, batch, device, fmt
         self.drop_last, self.skip, self.seed, self.epoch = drop_last, 0, seed, 0
-        self.loader_kw = dict(num_workers=num_workers,
-                              pin_memory=pin_memory and device.type == "cuda")
+        self.loader_kw = dict(num_workers=num_workers, collate_fn=collate_fn,
+                              pin_memory=pin_memory and device.type == "cuda",
+                              persistent_workers=False)
 
     def __len__(self) -> int:
         n = len(self.sampler)
