@@ -68,12 +68,11 @@ def train_step(model: nn.Module, micro_batches: list, loss_fn: Callable, optimiz
             amp.scaler.scale(loss).backward()  # scale up so small fp16 grads do not flush to 0
         total = total + loss.detach()
     amp.scaler.unscale_(optimizer)  # true gradients from here on: once per optimizer step
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     grad_norm = None
-    if clip_grad_norm is not None:
-        grad_norm = clip_grad_norm_(params, clip_grad_norm)
-    elif want_grad_norm:
-        grad_norm = get_total_norm([p.grad for p in params])
+    if clip_grad_norm is not None or want_grad_norm:  # clip the true gradients / measure them
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grad_norm = (clip_grad_norm_(params, clip_grad_norm) if clip_grad_norm is not None
+                     else get_total_norm([p.grad for p in params]))
     amp.scaler.step(optimizer)  # skipped if any gradient is inf/nan
     amp.scaler.update()  # halve the scale on overflow, grow it after growth_interval clean steps
     optimizer.zero_grad(set_to_none=True)
