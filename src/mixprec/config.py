@@ -297,7 +297,5 @@ def validate(cfg: DictConfig) -> TrainConfig:
     try:
         return OmegaConf.to_object(cfg)  # type: ignore[return-value]
     except OmegaConfBaseException as e:  # __post_init__ errors arrive wrapped
-        cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else None
-        if cause is not None:
-            raise cause from None
-        raise ConfigError(str(e)) from None
+        cause = e.__cause__
+        raise (cause if isinstance(cause, ConfigError) else ConfigError(str(e))) from None

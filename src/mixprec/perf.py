@@ -16,7 +16,7 @@ class Throughput:
         self._steady = None  # (time, samples) when warm-up ended
         self._paused = 0.0  # seconds spent outside training (evaluation) since warm-up
         self._t_pause = None
-        self.elapsed = self.steady_rate = None
+        self.steady_rate = None
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -59,7 +59,6 @@ class Throughput:
         end = self._now()
         t0, s0 = self._steady if self._steady else (self._t_start, 0)
         dt = end - t0 - self._paused
-        self.elapsed = end - self._t_start
         self.steady_rate = (self.samples - s0) / dt if dt > 0 and self.samples > s0 else None
 
 

@@ -4,7 +4,7 @@ Reads every job's summary.json and metrics.jsonl and writes, into the (first) di
 report.md and report.csv (one row per job, failed jobs included) and two PNGs: report_bars.png
 (throughput and peak memory per configuration) and report_curves.png (loss, loss scale and val
 accuracy over steps). The same table goes to the console and, with logger=wandb, to W&B as a
-wandb.Table. A Hydra callback (ReportCallback) writes it when a multirun ends.
+wandb.Table. A Hydra callback (ReportCallback) keeps it up to date as each multirun job ends.
 """
 from __future__ import annotations
 
@@ -229,10 +229,7 @@ def _group_of(run_dir: Path, sweep_dir: Path) -> str:
     return (cfg.get("logger") or {}).get("group") or f"{cfg.get('name', 'default')}-{sweep_dir.name}"
 
 
-try:
-    from hydra.experimental.callback import Callback
-except ImportError:  # pragma: no cover
-    Callback = object
+from hydra.experimental.callback import Callback  # noqa: E402  (hydra-core >= 1.1)
 
 
 class ReportCallback(Callback):
