@@ -41,6 +41,40 @@ def test_search_grows_by_half_then_bisects():
     assert calls[10] == (406 + 609) // 2  # then bisection inside [406, 609)
 
 
+def fake_gpu(fixed: float, per_sample: float, limit: float, calls: list, curve: float = 0.0):
+    """A probe on a simulated GPU: peak memory fixed + per_sample * b (+ curve * b^2, so that a
+    straight-line prediction overshoots); out of memory when the peak passes `limit`."""
+    def probe(b: int) -> int:
+        calls.append(b)
+        peak = fixed + per_sample * b + curve * b * b
+        if peak > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return int(peak)
+    return probe
+
+
+@pytest.mark.parametrize("bend", [0.0, 0.15, -0.15])
+@pytest.mark.parametrize("true_max", [100, 288, 560, 3000])
+def test_guided_search_is_exact_and_needs_few_probes(true_max, bend):
+    """Peak memory predicts the largest batch: the search jumps there instead of growing x1.5
+    a dozen times, and still lands within the resolution when memory is not quite linear
+    (`bend`: the quadratic term's share at the true maximum)."""
+    fixed, per_sample = 3e9, 70e6
+    curve = bend * per_sample / true_max
+    limit = fixed + per_sample * true_max + curve * true_max**2
+    guided: list[int] = []
+    found, probes = search(fake_gpu(fixed, per_sample, limit, guided, curve),
+                           SearchSettings(start=16, resolution=8), free=lambda: None, limit=limit)
+    assert true_max - 8 <= found <= true_max
+    assert all(p["fits"] == (p["batch"] <= true_max) for p in probes)
+    assert all(p["peak_gib"] for p in probes if p["fits"])
+    plain: list[int] = []
+    assert true_max - 8 <= search(fake_gpu(fixed, per_sample, limit, plain, curve),
+                                  SearchSettings(start=16, resolution=8), free=lambda: None)[0]
+    assert len(guided) < 0.75 * len(plain)
+    assert true_max > 600 or len(guided) <= 9
+
+
 def test_search_propagates_errors_that_are_not_oom():
     def probe(b):
         raise RuntimeError("shape mismatch")

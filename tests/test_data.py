@@ -85,3 +85,86 @@ def test_cifar10_format_files(cfg_factory, tmp_path, monkeypatch):
 def test_cifar10_missing_is_a_clear_error(cfg_factory, tmp_path):
     with pytest.raises(ConfigError, match="data.download=true"):
         run.run(cfg_factory("data=cifar10", f"data.root={tmp_path}", "trainer.max_steps=1"))
+
+
+def smooth_jpegs(root: Path, classes=("cat", "dog"), n=4, size=(64, 48)) -> Path:
+    """Photo-like (smooth) JPEGs, so that two decoders agree closely."""
+    rng = np.random.default_rng(1)
+    for split in ("train", "val"):
+        for c in classes:
+            d = root / split / c
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                small = Image.fromarray(rng.integers(0, 255, (4, 5, 3), dtype=np.uint8))
+                small.resize(size, Image.BICUBIC).save(d / f"{i}.jpg", quality=95)
+    return root
+
+
+def _batches(dcfg_overrides, cfg_factory, root, split="val", n=1):
+    import torch
+    from mixprec import data, hardware
+    from mixprec.config import validate
+    c = validate(cfg_factory("data=imagenet", f"data.root={root}", "data.image_size=32",
+                             "data.eval_resize=36", *dcfg_overrides))
+    d = data.build(c.data, hardware.resolve(c.hardware), 8, torch.device("cpu"), 0)
+    loader = d.val if split == "val" else d.train
+    if split == "train":
+        loader.set_epoch(0)
+    return [b for _, b in zip(range(n), loader)]
+
+
+def test_device_decode_gives_the_images_the_workers_give(cfg_factory, tmp_path):
+    """data.decode=device (torchvision.io.decode_jpeg; nvJPEG on a GPU) crops, resizes and
+    normalises the evaluation images like the PIL path does."""
+    root = smooth_jpegs(tmp_path / "imgs")
+    (xw, yw), = _batches(["data.decode=workers"], cfg_factory, root)
+    (xd, yd), = _batches(["data.decode=device"], cfg_factory, root)
+    assert xw.shape == xd.shape == (8, 3, 32, 32) and xd.dtype == xw.dtype
+    assert (yw == yd).all()
+    diff = (xw - xd).abs().mean()  # sub-pixel crop offsets (crop-then-resize) and rounding
+    assert diff < 0.1  # normalised units: ~6 grey levels of 255
+    assert diff < 0.25 * (xw - xw.flip(-1)).abs().mean()  # far closer than a mirrored image
+
+
+def test_device_decode_trains_and_augments(cfg_factory, tmp_path):
+    root = smooth_jpegs(tmp_path / "imgs")
+    (x1, _), = _batches(["data.decode=device"], cfg_factory, root, "train")
+    (x2, _), = _batches(["data.decode=device", "seed=1"], cfg_factory, root, "train")
+    assert x1.shape == (8, 3, 32, 32) and not torch_equal(x1, x2)  # random crops differ by seed
+    summary = run.run(cfg_factory("data=imagenet", f"data.root={root}", "data.decode=device",
+                                  *TINY))
+    assert summary["status"] == "completed" and summary["val_acc1"] is not None
+
+
+def torch_equal(a, b) -> bool:
+    return a.shape == b.shape and bool((a == b).all())
+
+
+def test_device_decode_names_a_file_it_cannot_decode(cfg_factory, tmp_path):
+    root = smooth_jpegs(tmp_path / "imgs")
+    Image.new("RGB", (40, 40)).save(root / "train" / "cat" / "odd.png")
+    with pytest.raises(ConfigError, match="odd.png.*JPEG only"):
+        run.run(cfg_factory("data=imagenet", f"data.root={root}", "data.decode=device", *TINY,
+                            "batch=9", "trainer.max_steps=1"))
+    with pytest.raises(ConfigError, match="one optimizer step needs 20 samples"):
+        run.run(cfg_factory("data=imagenet", f"data.root={root}", *TINY, "batch=10", "accum=2",
+                            "trainer.max_steps=1"))  # an epoch of 9 images: never a whole step
+
+
+def test_persistent_workers_serve_the_same_batches(tmp_path):
+    """One DataLoader re-iterated with persistent workers gives every epoch (and a mid-epoch
+    resume) the same batches as a fresh DataLoader per epoch."""
+    import torch
+    from torch.utils.data import TensorDataset
+    from mixprec.data.loaders import EpochLoader
+    ds = TensorDataset(torch.arange(40).float(), torch.arange(40))
+    kw = dict(device=torch.device("cpu"), fmt=torch.contiguous_format, seed=3, rank=0, world=1,
+              num_workers=2)
+    fresh, kept = EpochLoader(ds, 8, **kw), EpochLoader(ds, 8, persistent_workers=True, **kw)
+    for epoch, skip in [(0, 0), (1, 0), (2, 2)]:
+        got = []
+        for loader in (fresh, kept):
+            loader.set_epoch(epoch, skip)
+            got.append([y.tolist() for _, y in loader])
+        assert got[0] == got[1] and len(got[0]) == 5 - skip
+    assert kept._loader is not None and fresh._loader is None

@@ -166,6 +166,7 @@ class DataConfig:
     subset: Optional[int] = None  # imagenet/cifar10: use this many samples per split (quick runs)
     download: bool = False  # cifar10: download when missing (needs a network)
     bad_images: str = "fail"  # imagenet: an unreadable image stops the run (fail) or is skipped
+    decode: str = "workers"  # imagenet: JPEGs decoded by loader workers, or on the device (nvJPEG)
 
     def __post_init__(self) -> None:
         _one_of("data", self.name, DATASETS)
@@ -176,6 +177,7 @@ class DataConfig:
         _check(self.steps_per_epoch >= 1, "data.steps_per_epoch", self.steps_per_epoch, ">= 1")
         _check(self.val_steps >= 1, "data.val_steps", self.val_steps, ">= 1")
         _one_of("data.bad_images", self.bad_images, ("fail", "skip"))
+        _one_of("data.decode", self.decode, ("workers", "device"))
         _check(self.subset is None or self.subset >= 1, "data.subset", self.subset, "null or >= 1")
         _check(self.name not in ("imagenet", "cifar10") or bool(self.root), "data.root", self.root,
                f"a directory for data={self.name}")

@@ -68,6 +68,12 @@ def setup(hw: HardwareConfig, local_rank: int = 0) -> torch.device:
     return device
 
 
+def memory_limit(device: torch.device, memory_gib: float | None) -> int:
+    """Bytes this process may allocate on the GPU: the card, or the emulated card's cap."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    return int(min(total, memory_gib * GIB)) if memory_gib else total
+
+
 def cap_memory(memory_gib: float, profile: str) -> None:
     """Emulate a smaller card: this process may use at most memory_gib of the GPU."""
     total = torch.cuda.get_device_properties(0).total_memory / GIB

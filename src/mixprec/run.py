@@ -78,7 +78,7 @@ def _run(c: TrainConfig, cfg: DictConfig, hw, dd: distributed.Dist) -> dict:
     optimizer = optim.build_optimizer(c.optimizer, model, lr, device)
     model = distributed.wrap(model, dd, device)
     steps_per_epoch = len(data.train) // accum
-    if steps_per_epoch < 1 and c.trainer.max_steps is None:
+    if steps_per_epoch < 1:  # also with max_steps: no epoch would ever yield a step
         raise ConfigError(f"batch={batch} accum={accum}: one optimizer step needs "
                           f"{batch * accum} samples but an epoch of data={c.data.name} has "
                           f"{len(data.train) * batch}; lower batch or accum")
@@ -211,7 +211,7 @@ def _auto_batch(c: TrainConfig, hw, device) -> tuple[int, int]:
     fmt = torch.channels_last if c.model.channels_last else torch.contiguous_format
     bs = c.batch_search
 
-    def probe(b: int) -> None:  # real steps with fresh state: the memory training will need
+    def probe(b: int) -> int:  # real steps with fresh state: the memory training will need
         model = models.build(c.model, num_classes, shape, device)
         opt = optim.build_optimizer(c.optimizer, model, 1e-6, device)
         amp = precision.build(c.precision, c.scaler, device)
@@ -225,6 +225,7 @@ def _auto_batch(c: TrainConfig, hw, device) -> tuple[int, int]:
             if stepped >= bs.probe_steps:
                 break
         torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)  # the peak guides the next probe
 
     settings = batch_size.SearchSettings(bs.start, bs.growth, bs.resolution, bs.margin,
                                          cache=Path(bs.cache).expanduser() if bs.cache else None)
@@ -237,7 +238,7 @@ def _auto_batch(c: TrainConfig, hw, device) -> tuple[int, int]:
            "clip": c.trainer.clip_grad_norm is not None, "resolution": bs.resolution}
     t0 = time.perf_counter()
     found, hit = batch_size.cached(key, settings, lambda: batch_size.search(
-        probe, settings, agree=distributed.all_min))
+        probe, settings, agree=distributed.all_min, limit=hardware.memory_limit(device, hw.memory_gib)))
     found = distributed.all_min(found)  # a rank that read a different cache still agrees
     batch = batch_size.with_margin(found, bs.margin)
     log.info("batch=auto: largest micro-batch that trains is %d (%s, %.1fs); using %d (margin "

@@ -3,6 +3,12 @@
 Folders: `root/train/<class>/*` and `root/val/<class>/*` (torchvision's ImageFolder), RandomResizedCrop
 + flip for training, resize + centre crop for evaluation. An unreadable image either stops the run
 with its path (`data.bad_images=fail`, the default) or is skipped and counted (`skip`).
+
+Workers ship uint8 images (a quarter of float32's bytes) and the normalisation runs on the
+training device, one batch ahead on a side stream (loaders.prefetch). With `data.decode=device`
+the workers only read the JPEG bytes and draw the crop; decoding (nvJPEG on a GPU, through
+torchvision.io.decode_jpeg), crop, resize, flip and normalisation run on the device (images.py:
+DeviceDecode) — the path for when the CPU cores cannot decode as fast as the GPU trains.
 """
 from __future__ import annotations
 
@@ -10,11 +16,13 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from PIL import Image
 from torch.utils.data import Subset, default_collate
-from torchvision import datasets, transforms as T
+from torchvision import datasets, io, transforms as T
 
 from ..config import ConfigError, DataConfig, HardwareConfig
-from .loaders import EpochLoader
+from .loaders import EpochLoader, Normalize
 
 log = logging.getLogger(__name__)
 IMAGENET_STATS = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
@@ -44,6 +52,59 @@ def collate_skipping(batch):
     return default_collate([b for b in batch if b is not None])
 
 
+class JpegCrops(CheckedImageFolder):
+    """For data.decode=device: each sample is (the file's bytes, crop box top/left/h/w, flip,
+    label). The crop is drawn here from the JPEG header alone (no decode), so the worker's RNG
+    decides the augmentation exactly as in the CPU path; train: RandomResizedCrop + flip,
+    eval: the box that resize(eval_resize) + centre crop(image_size) would keep."""
+
+    def __init__(self, root, train: bool, image_size: int, eval_resize: int, skip_bad: bool):
+        super().__init__(root, transform=None, skip_bad=skip_bad)
+        self.loader = self._crop  # ImageFolder calls loader(path), then transform
+        self.train, self.size, self.resize = train, image_size, eval_resize
+        self.rrc = T.RandomResizedCrop(image_size)
+
+    def _crop(self, path: str):
+        with Image.open(path) as im:
+            if im.format != "JPEG":
+                raise ValueError(f"data.decode=device decodes JPEG only, this is {im.format}; "
+                                 "use data.decode=workers")
+            w, h = im.size
+            if self.train:  # get_params reads only the size: the image is not decoded here
+                top, left, ch, cw = self.rrc.get_params(im, self.rrc.scale, self.rrc.ratio)
+                flip = bool(torch.rand(1) < 0.5)
+        if not self.train:
+            side = round(min(h, w) * self.size / self.resize)
+            top, left, ch, cw, flip = (h - side) // 2, (w - side) // 2, side, side, False
+        return io.read_file(path), torch.tensor([top, left, ch, cw, int(flip)])
+
+
+def collate_jpegs(batch):
+    batch = [b for b in batch if b is not None]
+    return ([b[0][0] for b in batch], torch.stack([b[0][1] for b in batch]),
+            torch.tensor([b[1] for b in batch]))
+
+
+class DeviceDecode:
+    """Stage a batch of JPEG bytes on the device: decode (nvJPEG on a GPU), crop, resize to
+    size x size (bilinear, antialiased, as the PIL path), flip, normalise."""
+
+    def __init__(self, size: int, norm: Normalize) -> None:
+        self.size, self.norm = size, norm
+
+    def __call__(self, batch):
+        files, boxes, y = batch
+        dev = self.norm.device
+        images = io.decode_jpeg(files, mode=io.ImageReadMode.RGB, device=dev)
+        out = torch.empty(len(files), 3, self.size, self.size, device=dev)
+        for i, (img, (top, left, h, w, flip)) in enumerate(zip(images, boxes.tolist())):
+            crop = img[None, :, top:top + h, left:left + w].float()
+            crop = F.interpolate(crop, size=(self.size, self.size), mode="bilinear",
+                                 antialias=True, align_corners=False)
+            out[i] = crop[0].flip(-1) if flip else crop[0]
+        return self.norm((out.clamp_(0, 255), y))
+
+
 def _classes(split_dir: Path) -> list[str]:
     if not split_dir.is_dir():
         raise ConfigError(f"data.root: {split_dir} does not exist (data=imagenet wants "
@@ -68,10 +129,13 @@ def _subset(ds, n: int | None, seed: int):
     return Subset(ds, torch.randperm(len(ds), generator=g)[:n].tolist())
 
 
-def _loaders(train_ds, val_ds, dcfg, hw, batch, device, fmt, seed, rank, world, collate=None):
+def _loaders(train_ds, val_ds, dcfg, hw, batch, device, fmt, seed, rank, world, stats,
+             collate=None, stage=None):
     kw = dict(device=device, fmt=fmt, seed=seed, rank=rank, world=world,
-              num_workers=hw.num_workers, pin_memory=hw.pin_memory, collate_fn=collate)
-    train = EpochLoader(_subset(train_ds, dcfg.subset, dcfg.data_seed), batch, **kw)
+              num_workers=hw.num_workers, pin_memory=hw.pin_memory, collate_fn=collate,
+              stage=stage or Normalize(*stats, device, fmt))
+    train = EpochLoader(_subset(train_ds, dcfg.subset, dcfg.data_seed), batch,
+                        persistent_workers=hw.persistent_workers, **kw)
     val = EpochLoader(_subset(val_ds, dcfg.subset, dcfg.data_seed + 1), batch, shuffle=False,
                       drop_last=False, **kw)
     return train, val
@@ -83,30 +147,35 @@ def build_folder(dcfg: DataConfig, hw: HardwareConfig, batch, device, fmt, seed,
     classes = _classes(root / "train")
     if _classes(root / "val") != classes:
         raise ConfigError(f"data.root: {root}/train and {root}/val have different class folders")
-    norm = T.Normalize(*IMAGENET_STATS)
-    train_tf = T.Compose([T.RandomResizedCrop(dcfg.image_size), T.RandomHorizontalFlip(),
-                          T.ToTensor(), norm])
-    val_tf = T.Compose([T.Resize(dcfg.eval_resize), T.CenterCrop(dcfg.image_size), T.ToTensor(),
-                        norm])
     skip = dcfg.bad_images == "skip"
-    train_ds = CheckedImageFolder(root / "train", train_tf, skip)
-    val_ds = CheckedImageFolder(root / "val", val_tf, skip)
-    train, val = _loaders(train_ds, val_ds, dcfg, hw, batch, device, fmt, seed, rank, world,
-                          collate_skipping if skip else None)
+    if dcfg.decode == "device":
+        train_ds, val_ds = (JpegCrops(root / split, split == "train", dcfg.image_size,
+                                      dcfg.eval_resize, skip) for split in ("train", "val"))
+        stage = DeviceDecode(dcfg.image_size, Normalize(*IMAGENET_STATS, device, fmt))
+        train, val = _loaders(train_ds, val_ds, dcfg, hw, batch, device, fmt, seed, rank, world,
+                              IMAGENET_STATS, collate_jpegs, stage)
+    else:
+        train_tf = T.Compose([T.RandomResizedCrop(dcfg.image_size), T.RandomHorizontalFlip(),
+                              T.PILToTensor()])
+        val_tf = T.Compose([T.Resize(dcfg.eval_resize), T.CenterCrop(dcfg.image_size),
+                            T.PILToTensor()])
+        train_ds = CheckedImageFolder(root / "train", train_tf, skip)
+        val_ds = CheckedImageFolder(root / "val", val_tf, skip)
+        train, val = _loaders(train_ds, val_ds, dcfg, hw, batch, device, fmt, seed, rank, world,
+                              IMAGENET_STATS, collate_skipping if skip else None)
     return Data(train, val, len(classes), (3, dcfg.image_size, dcfg.image_size))
 
 
 def build_cifar10(dcfg: DataConfig, hw: HardwareConfig, batch, device, fmt, seed, rank, world):
     from . import Data
-    norm = T.Normalize(*CIFAR_STATS)
-    train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(), norm])
-    val_tf = T.Compose([T.ToTensor(), norm])
+    train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.PILToTensor()])
     try:
         train_ds = datasets.CIFAR10(dcfg.root or "", train=True, transform=train_tf,
                                     download=dcfg.download)
-        val_ds = datasets.CIFAR10(dcfg.root or "", train=False, transform=val_tf)
+        val_ds = datasets.CIFAR10(dcfg.root or "", train=False, transform=T.PILToTensor())
     except RuntimeError as e:
         raise ConfigError(f"data.root={dcfg.root!r}: {e} (data=cifar10 reads torchvision's "
                           "cifar-10-batches-py there; data.download=true fetches it)") from None
-    train, val = _loaders(train_ds, val_ds, dcfg, hw, batch, device, fmt, seed, rank, world)
+    train, val = _loaders(train_ds, val_ds, dcfg, hw, batch, device, fmt, seed, rank, world,
+                          CIFAR_STATS)
     return Data(train, val, 10, (3, 32, 32))

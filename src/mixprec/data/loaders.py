@@ -1,5 +1,9 @@
-"""A resumable epoch loader for map-style datasets (shared by every on-disk/in-memory dataset)."""
+"""A resumable epoch loader for map-style datasets (shared by every on-disk/in-memory dataset),
+and the GPU prefetcher that overlaps the next batch's host-to-device copy (and its decode or
+normalisation on the GPU) with the current step's compute."""
 from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -11,22 +15,67 @@ def to_device(batch, device: torch.device, fmt: torch.memory_format):
     return x, y.to(device, non_blocking=True)
 
 
+class Normalize:
+    """uint8 images (what the workers ship: a quarter of float32's bytes over PCIe) to normalised
+    float on the training device: (x - 255 * mean) / (255 * std), in the model's memory format."""
+
+    def __init__(self, mean, std, device: torch.device, fmt: torch.memory_format) -> None:
+        self.mean = torch.tensor(mean, device=device).view(1, -1, 1, 1) * 255
+        self.std = torch.tensor(std, device=device).view(1, -1, 1, 1) * 255
+        self.device, self.fmt = device, fmt
+
+    def __call__(self, batch):
+        x, y = batch
+        x = x.to(self.device, non_blocking=True).contiguous(memory_format=self.fmt)
+        return x.float().sub_(self.mean).div_(self.std), y.to(self.device, non_blocking=True)
+
+
+def prefetch(batches: Iterable, stage: Callable, device: torch.device) -> Iterator:
+    """Yield stage(batch) for each batch. On a GPU, batch i+1 is staged (copied, decoded,
+    normalised) on a side stream while the caller computes on batch i; the compute stream waits
+    for the copy only when it needs the batch. Elsewhere it stages inline."""
+    if device.type != "cuda":
+        yield from (stage(b) for b in batches)
+        return
+    side, compute = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+    staged = None
+    for batch in batches:
+        with torch.cuda.stream(side):
+            nxt = stage(batch)
+        if staged is not None:
+            yield staged
+        staged = nxt
+        compute.wait_stream(side)
+        for t in staged:  # allocated on the side stream, used on the compute stream
+            t.record_stream(compute)
+    if staged is not None:
+        yield staged
+
+
 class EpochLoader:
     """Shuffles by (seed, epoch) like DistributedSampler (one replica is the single-process case),
     drops the ragged last batch (static shapes, exact loss averaging), and can start part-way
-    through an epoch so a resumed run sees exactly the batches it would have seen."""
+    through an epoch so a resumed run sees exactly the batches it would have seen.
+
+    `stage` turns a collated CPU batch into (inputs, targets) on the device (default: copy);
+    on a GPU it runs one batch ahead on a side stream (see prefetch)."""
 
     def __init__(self, dataset: Dataset, batch: int, device: torch.device,
                  fmt: torch.memory_format, seed: int, rank: int, world: int, num_workers: int = 0,
                  pin_memory: bool = False, shuffle: bool = True, drop_last: bool = True,
-                 collate_fn=None) -> None:
+                 collate_fn=None, stage: Callable | None = None,
+                 persistent_workers: bool = False) -> None:
         self.sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle,
                                           seed=seed, drop_last=drop_last)
         self.dataset, self.batch, self.device, self.fmt = dataset, batch, device, fmt
         self.drop_last, self.skip, self.seed, self.epoch = drop_last, 0, seed, 0
+        self.stage = stage or (lambda b: to_device(b, device, fmt))
+        self.persistent = persistent_workers and num_workers > 0
         self.loader_kw = dict(num_workers=num_workers, collate_fn=collate_fn,
                               pin_memory=pin_memory and device.type == "cuda",
-                              persistent_workers=False)
+                              prefetch_factor=4 if num_workers else None,
+                              persistent_workers=self.persistent)
+        self._loader: DataLoader | None = None
 
     def __len__(self) -> int:
         n = len(self.sampler)
@@ -36,12 +85,35 @@ class EpochLoader:
         self.sampler.set_epoch(epoch)
         self.skip, self.epoch = skip, epoch
 
-    def __iter__(self):
-        indices = list(self.sampler)[self.skip * self.batch:]
+    def indices(self) -> list[int]:
+        return list(self.sampler)[self.skip * self.batch:]
+
+    def _dataloader(self) -> DataLoader:
+        if self._loader is not None:  # persistent workers: one DataLoader, re-iterated
+            return self._loader
         # Its own generator: a DataLoader otherwise draws worker seeds from the global RNG at
         # every iter(), which a resumed run would do at a different moment (breaking exactness).
         gen = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        loader = DataLoader(self.dataset, batch_size=self.batch, sampler=indices,
-                            drop_last=self.drop_last, generator=gen, **self.loader_kw)
-        for batch in loader:
-            yield to_device(batch, self.device, self.fmt)
+        loader = DataLoader(self.dataset, batch_size=self.batch, drop_last=self.drop_last,
+                            sampler=_CurrentEpoch(self) if self.persistent else self.indices(),
+                            generator=gen, **self.loader_kw)
+        if self.persistent:
+            self._loader = loader
+        return loader
+
+    def __iter__(self):
+        yield from prefetch(self._dataloader(), self.stage, self.device)
+
+
+class _CurrentEpoch:
+    """A sampler that reads the loader's current epoch and skip at every iter(): what lets one
+    DataLoader with persistent workers serve every epoch (and a mid-epoch resume)."""
+
+    def __init__(self, owner: EpochLoader) -> None:
+        self.owner = owner
+
+    def __iter__(self):
+        return iter(self.owner.indices())
+
+    def __len__(self) -> int:
+        return len(self.owner.indices())

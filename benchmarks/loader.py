@@ -1,0 +1,138 @@
+"""Can the input pipeline keep up with the GPU? Loader throughput on generated ImageNet-sized JPEGs
+next to the GPU's ResNet-50 training rate, measured in one run.
+
+    python3 benchmarks/loader.py                     # 10,000 JPEGs, 16 workers, batch 256
+    python3 benchmarks/loader.py --no-train          # loader rates only
+
+Rows: (1) the loader alone, each `data.decode` path (workers: PIL decode + RandomResizedCrop in
+DataLoader workers; device: workers read bytes, nvJPEG decodes on the GPU), images/s delivered
+on the GPU as normalised float batches; (2) train.py on synthetic data (the GPU's rate, no input
+pipeline); (3) train.py end to end on the JPEG folder with each decode path. The JPEGs sit in
+the page cache (a warm dataset): disk speed is not measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing import Pool
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = [(500, 375), (375, 500), (500, 333), (500, 400), (640, 480), (400, 300)]  # ImageNet-like
+
+
+def _jpeg(args) -> int:
+    import numpy as np
+    from PIL import Image
+    path, seed = args
+    rng = np.random.default_rng(seed)
+    w, h = SIZES[seed % len(SIZES)]
+    small = Image.fromarray(rng.integers(0, 255, (6, 8, 3), dtype=np.uint8))
+    img = np.asarray(small.resize((w, h), Image.BICUBIC), dtype=np.float32)
+    img += rng.normal(0, 8, img.shape)  # texture: photo-like file sizes
+    Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(path, quality=90)
+    return os.path.getsize(path)
+
+
+def make_jpegs(root: Path, n_train: int, n_val: int, classes: int, workers: int) -> dict:
+    jobs = []
+    for split, n in (("train", n_train), ("val", n_val)):
+        for i in range(n):
+            d = root / split / f"c{i % classes:03d}"
+            d.mkdir(parents=True, exist_ok=True)
+            jobs.append((d / f"{i}.jpg", i + (0 if split == "train" else 10**6)))
+    with Pool(workers) as pool:
+        sizes = pool.map(_jpeg, jobs, chunksize=64)
+    return {"images": len(sizes), "mean_kb": sum(sizes) / len(sizes) / 1024}
+
+
+def loader_rate(root: Path, decode: str, batch: int, workers: int, batches: int) -> dict:
+    import dataclasses
+
+    import torch
+    from mixprec import data, hardware
+    from mixprec.config import DataConfig
+    hw = dataclasses.replace(hardware.load_profile("h200"), num_workers=workers)
+    dcfg = DataConfig(name="imagenet", root=str(root), decode=decode)
+    device = torch.device("cuda")
+    d = data.build(dcfg, hw, batch, device, seed=0, channels_last=True)
+    d.train.set_epoch(0)
+    it, warmup = iter(d.train), 5  # the first batches include the workers' start
+    for _ in range(warmup):
+        next(it)
+    torch.cuda.synchronize()
+    t0, n = time.perf_counter(), 0
+    for x, _ in it:
+        n += 1
+        if n == batches:
+            break
+    x.sum().item()  # the last batch really arrived
+    dt = time.perf_counter() - t0
+    return {"decode": decode, "batches": n, "images_per_s": n * batch / dt}
+
+
+def train_rate(extra: list[str], steps: int, warmup: int) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [sys.executable, str(ROOT / "train.py"), "model=resnet50", "precision=amp",
+               "model.channels_last=true", "batch=256", "logger=none", f"hydra.run.dir={d}",
+               f"trainer.max_steps={steps}", f"trainer.perf_warmup_steps={warmup}", *extra]
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if p.returncode:
+            return {"args": extra, "error": p.stderr[-2000:]}
+        s = json.loads((Path(d) / "summary.json").read_text())
+    return {"args": extra, "samples_per_s": s["samples_per_s"], "peak_mem_gib": s["peak_mem_gib"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--images", type=int, default=10_000)
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--batches", type=int, default=30)
+    ap.add_argument("--no-train", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "loader.json")
+    a = ap.parse_args()
+    import torch
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "cpu_cores": os.cpu_count(), "workers": a.workers,
+            "batch": a.batch, "command": " ".join(["python3", *sys.argv])}
+    rows: list[dict] = []
+
+    def save(row: dict) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "jpegs"
+        t0 = time.perf_counter()
+        meta["dataset"] = make_jpegs(root, a.images, 50 * 10, 10, a.workers)
+        meta["dataset"]["generate_s"] = round(time.perf_counter() - t0, 1)
+        print(meta["dataset"], flush=True)
+        for decode in ("workers", "device"):
+            save({"row": f"loader only, decode={decode}",
+                  **loader_rate(root, decode, a.batch, a.workers, a.batches)})
+        if not a.no_train:
+            save({"row": "train.py, synthetic data (GPU rate)",
+                  **train_rate(["data=synthetic"], 60, 15)})
+            for decode in ("workers", "device"):
+                save({"row": f"train.py, JPEG folder, decode={decode}",
+                      **train_rate(["data=imagenet", f"data.root={root}", f"data.decode={decode}",
+                                    f"hardware.num_workers={a.workers}"], 35, 8)})
+    print(f"\n{meta['date']} {meta['gpu']}, torch {meta['torch']}, {a.workers} workers, "
+          f"batch {a.batch}, {meta['dataset']['images']} JPEGs of {meta['dataset']['mean_kb']:.0f} KB")
+    print("| path | images/s |\n|---|---|")
+    for r in rows:
+        rate = r.get("images_per_s") or r.get("samples_per_s")
+        print(f"| {r['row']} | {rate:,.0f} |" if rate else f"| {r['row']} | error |")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    main()
