@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install train test test-gpu bench bench-cpu clean
+.PHONY: install train test test-gpu bench bench-cpu bench-memory bench-loader bench-scaling clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml
@@ -25,8 +25,17 @@ test-gpu: $(STAMP)       ## only the tests marked gpu (on a CUDA machine)
 bench-cpu: $(STAMP)      ## train.py vs a bare PyTorch loop on this CPU
 	$(BIN)/python benchmarks/bare_vs_train.py --preset cpu
 
-bench: $(STAMP)          ## train.py vs a bare loop on one GPU (ResNet-50, fp32/amp/bf16)
-	$(BIN)/python benchmarks/bare_vs_train.py --preset gpu
+bench: $(STAMP)          ## train.py vs a bare loop: fp32/tf32/amp/bf16 x channels_last x compile, every GPU
+	$(BIN)/python benchmarks/bare_vs_train.py --preset gpu --matrix --gpus all
+
+bench-memory: $(STAMP)   ## batch=auto vs an independent bisection under a 24 GiB cap (fp32, amp, amp+ckpt)
+	$(BIN)/python benchmarks/batch_search.py
+
+bench-loader: $(STAMP)   ## JPEG loader (CPU workers vs nvJPEG) next to the GPU's training rate
+	$(BIN)/python benchmarks/loader.py
+
+bench-scaling: $(STAMP)  ## DDP: 1 GPU vs torchrun on 2 GPUs, same per-GPU batch
+	$(BIN)/python benchmarks/scaling.py
 
 clean:
 	rm -rf outputs/2* outputs/multirun .pytest_cache

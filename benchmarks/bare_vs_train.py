@@ -2,34 +2,53 @@
 
     python benchmarks/bare_vs_train.py --preset cpu     # digits CNN on this CPU, fp32
     python benchmarks/bare_vs_train.py --preset gpu     # ResNet-50 224^2 synthetic, batch 256
+    python benchmarks/bare_vs_train.py --preset gpu --matrix --gpus 0,1   # `make bench`
+    python benchmarks/bare_vs_train.py --preset gpu --rows amp+cl+compile,bf16+cl+graphs@384
 
-Each measurement is a fresh process (bare and train.py alike), warm-up steps excluded, the GPU
-synchronised at the timing boundaries; repeats alternate bare/train.py and the median is reported.
+A row is `precision[+cl][+compile[:mode]][+graphs][@batch]`: channels_last, torch.compile (and
+its mode), CUDA graphs (torch.cuda.make_graphed_callables), the batch. `--matrix` is fp32, tf32,
+amp, bf16 x channels_last off/on x compile off/on. Each side of a row is a fresh process on the
+same GPU (rows spread over `--gpus`); warm-up excluded, the GPU synchronised at the timing
+boundaries; each side times `--repeats` windows of `steps` steps and reports their median
+(train.py: its per-window `perf/samples_per_s` from metrics.jsonl).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 PRESETS = {
-    "cpu": dict(precisions=["fp32"], batch=64, steps=300, warmup=30, repeats=3,
+    "cpu": dict(precisions=["fp32"], batch=64, steps=100, warmup=30, repeats=3,
                 train_args=["hardware=cpu"]),
-    "gpu": dict(precisions=["fp32", "amp", "bf16"], batch=256, steps=60, warmup=15, repeats=3,
+    "gpu": dict(precisions=["fp32", "amp", "bf16"], batch=256, steps=20, warmup=20, repeats=3,
                 train_args=["experiment=resnet50_synthetic"]),
 }
 
 
-def bare(preset: str, precision: str, batch: int, steps: int, warmup: int) -> dict:
-    """The seeds' plain loop: autocast + GradScaler + SGD, nothing else."""
+def parse_row(spec: str, batch: int) -> dict:
+    head, _, b = spec.partition("@")
+    prec, *flags = head.split("+")
+    row = {"spec": spec, "precision": prec, "channels_last": "cl" in flags, "compile": None,
+           "graphs": "graphs" in flags, "batch": int(b) if b else batch}
+    for f in flags:
+        if f.startswith("compile"):
+            row["compile"] = f.partition(":")[2] or "default"
+    return row
+
+
+def bare(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
+    """The seeds' plain loop: autocast + GradScaler + SGD (+ the row's switches), nothing else."""
     import timm
     import torch
     import torch.nn.functional as F
@@ -37,15 +56,16 @@ def bare(preset: str, precision: str, batch: int, steps: int, warmup: int) -> di
     import mixprec.models  # noqa: F401  (registers mixprec_digits_cnn with timm)
     from mixprec.precision import set_tf32
 
-    cuda = preset == "gpu"
+    cuda, batch, precision = preset == "gpu", row["batch"], row["precision"]
     device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = cuda
     set_tf32(precision != "fp32")
     dtype = {"fp32": None, "tf32": None, "amp": torch.float16, "bf16": torch.bfloat16}[precision]
+    fmt = torch.channels_last if row["channels_last"] else torch.contiguous_format
     if cuda:
-        model = timm.create_model("resnet50", num_classes=1000).to(device)
-        data = [(torch.randn(batch, 3, 224, 224, device=device),
+        model = timm.create_model("resnet50", num_classes=1000).to(device, memory_format=fmt)
+        data = [(torch.randn(batch, 3, 224, 224, device=device).contiguous(memory_format=fmt),
                  torch.randint(0, 1000, (batch,), device=device))]
         batches = lambda: iter(data * 10**9)  # noqa: E731  (the same batch every step)
     else:
@@ -61,89 +81,168 @@ def bare(preset: str, precision: str, batch: int, steps: int, warmup: int) -> di
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True,
                           weight_decay=5e-5, **({"fused": True} if cuda else {}))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
+    autocast = lambda: torch.autocast(device.type, dtype=dtype or torch.bfloat16,  # noqa: E731
+                                      enabled=dtype is not None, cache_enabled=not row["graphs"])
+    if row["compile"]:
+        model = torch.compile(model, mode=None if row["compile"] == "default" else row["compile"])
+    if row["graphs"]:
+        with autocast():
+            model = torch.cuda.make_graphed_callables(model, (data[0][0],))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     it = batches()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    for step in range(warmup + steps):
-        if step == warmup:
+    rates = []
+    for step in range(warmup + steps * repeats):
+        if step >= warmup and (step - warmup) % steps == 0:
             sync()
+            if step > warmup:
+                rates.append(steps * batch / (time.perf_counter() - t0))
             t0 = time.perf_counter()
         x, y = next(it)
-        with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        with autocast():
             loss = F.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
     sync()
-    dt = time.perf_counter() - t0
+    rates.append(steps * batch / (time.perf_counter() - t0))
     peak = torch.cuda.max_memory_allocated() / 1024**3 if cuda else None
-    return {"samples_per_s": steps * batch / dt, "peak_mem_gib": peak}
+    return {"samples_per_s": statistics.median(rates), "windows": rates, "peak_mem_gib": peak}
 
 
-def via_train_py(preset: str, precision: str, batch: int, steps: int, warmup: int) -> dict:
+def via_train_py(preset: str, row: dict, steps: int, warmup: int, repeats: int,
+                 env: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory() as d:
         args = [sys.executable, str(ROOT / "train.py"), *PRESETS[preset]["train_args"],
-                f"precision={precision}", f"batch={batch}", "logger=none",
-                f"trainer.max_steps={warmup + steps}", f"trainer.perf_warmup_steps={warmup}",
-                f"hydra.run.dir={d}"]
-        proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+                f"precision={row['precision']}", f"batch={row['batch']}", "logger=none",
+                f"model.channels_last={str(row['channels_last']).lower()}",
+                f"model.compile={str(bool(row['compile'])).lower()}",
+                f"model.cuda_graphs={str(row['graphs']).lower()}",
+                f"trainer.max_steps={warmup + steps * repeats}", f"trainer.log_every={steps}",
+                f"trainer.perf_warmup_steps={warmup}", f"hydra.run.dir={d}"]
+        if row["compile"] and row["compile"] != "default":
+            args.append(f"model.compile_mode={row['compile']}")
+        proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env,
+                              timeout=900)
         if proc.returncode:
             raise RuntimeError(f"train.py failed:\n{proc.stderr[-3000:]}")
         s = json.loads((Path(d) / "summary.json").read_text())
-    return {"samples_per_s": s["samples_per_s"], "peak_mem_gib": s["peak_mem_gib"]}
+        rows = [json.loads(l) for l in (Path(d) / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["perf/samples_per_s"] for r in rows
+             if "perf/samples_per_s" in r and r.get("step", 0) > warmup]
+    return {"samples_per_s": statistics.median(rates) if rates else s["samples_per_s"],
+            "windows": rates, "steady_samples_per_s": s["samples_per_s"],
+            "peak_mem_gib": s["peak_mem_gib"], "mfu": s["mfu"]}
 
 
-def in_subprocess(preset, precision, batch, steps, warmup) -> dict:
+def in_subprocess(preset, row, steps, warmup, repeats, env=None) -> dict:
     code = (f"import json,sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
-            f"import bare_vs_train as b; print(json.dumps(b.bare({preset!r}, {precision!r}, "
-            f"{batch}, {steps}, {warmup})))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+            f"import bare_vs_train as b; print(json.dumps(b.bare({preset!r}, {row!r}, "
+            f"{steps}, {warmup}, {repeats})))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=900)
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def measure(preset: str, row: dict, p: dict, gpu: str | None) -> dict:
+    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {})}
+    out = dict(row, gpu=gpu)
+    try:
+        b = in_subprocess(preset, row, p["steps"], p["warmup"], p["repeats"], env)
+        t = via_train_py(preset, row, p["steps"], p["warmup"], p["repeats"], env)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        return dict(out, error=str(e)[-1500:])
+    mfu = t["mfu"] * b["samples_per_s"] / t["steady_samples_per_s"] if t["mfu"] else None
+    return dict(out, bare=b, train=t, bare_samples_per_s=b["samples_per_s"],
+                train_samples_per_s=t["samples_per_s"],
+                ratio=t["samples_per_s"] / b["samples_per_s"], bare_mfu=mfu, train_mfu=t["mfu"])
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| row | bare img/s | train.py img/s | train.py / bare | peak GiB bare / train.py "
+             "| MFU bare / train.py |", "|---|---|---|---|---|---|"]
+    f = lambda v, fmt: format(v, fmt) if v is not None else "-"  # noqa: E731
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['spec']} | error: {r['error'].splitlines()[-1][:80]} | | | | |")
+            continue
+        lines.append(f"| {r['spec']} | {r['bare_samples_per_s']:,.0f} | "
+                     f"{r['train_samples_per_s']:,.0f} | {r['ratio']:.3f} | "
+                     f"{f(r['bare']['peak_mem_gib'], '.2f')} / {f(r['train']['peak_mem_gib'], '.2f')} | "
+                     f"{f(r['bare_mfu'], '.3f')} / {f(r['train_mfu'], '.3f')} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    ap.add_argument("--repeats", type=int)
+    ap.add_argument("--repeats", type=int, help="timed windows per side (median reported)")
     ap.add_argument("--precisions", help="comma list, e.g. fp32,amp,bf16")
+    ap.add_argument("--matrix", action="store_true",
+                    help="precisions x channels_last off/on x compile off/on")
+    ap.add_argument("--compile", choices=["both", "off", "on"], default="both",
+                    help="with --matrix: only the rows without/with compile")
+    ap.add_argument("--rows", help="comma list of row specs (see the module docstring)")
+    ap.add_argument("--gpus", help="GPU ids to spread rows over: 0,1 or all (default: one)")
     ap.add_argument("--out", type=Path, help="JSON results file")
     a = ap.parse_args()
     p = dict(PRESETS[a.preset])
-    repeats = a.repeats or p["repeats"]
+    p["repeats"] = a.repeats or p["repeats"]
     precisions = a.precisions.split(",") if a.precisions else p["precisions"]
+    if a.rows:
+        specs = a.rows.split(",")
+    elif a.matrix:
+        precisions = a.precisions.split(",") if a.precisions else ["fp32", "tf32", "amp", "bf16"]
+        comp = {"both": ["", "+compile"], "off": [""], "on": ["+compile"]}[a.compile]
+        specs = [f"{pr}{cl}{c}" for c in comp for pr in precisions for cl in ("", "+cl")]
+    else:
+        specs = precisions
+    rows_in = [parse_row(sp, p["batch"]) for sp in specs]
     import torch
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     meta = {"date": time.strftime("%Y-%m-%d"), "device": gpu, "torch": torch.__version__,
-            "preset": a.preset, "batch": p["batch"], "steps": p["steps"], "warmup": p["warmup"],
-            "repeats": repeats, "command": " ".join([Path(sys.executable).name, *sys.argv])}
+            "preset": a.preset, "steps_per_window": p["steps"], "warmup": p["warmup"],
+            "windows": p["repeats"], "command": " ".join(["python3", *sys.argv])}
     out = a.out or ROOT / "benchmarks" / "results" / f"bare_vs_train-{a.preset}-{meta['date']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for prec in precisions:
-        runs = {"bare": [], "train.py": []}
-        for r in range(repeats):
-            for name, fn in (("bare", in_subprocess), ("train.py", via_train_py)):
-                res = fn(a.preset, prec, p["batch"], p["steps"], p["warmup"])
-                runs[name].append(res)
-                print(f"  {prec} repeat {r + 1}/{repeats} {name:8s} "
-                      f"{res['samples_per_s']:9.1f} samples/s", flush=True)
-        med = {k: statistics.median(x["samples_per_s"] for x in v) for k, v in runs.items()}
-        rows.append({"precision": prec, "bare_samples_per_s": med["bare"],
-                     "train_samples_per_s": med["train.py"], "ratio": med["train.py"] / med["bare"],
-                     "bare_peak_gib": runs["bare"][0]["peak_mem_gib"],
-                     "train_peak_gib": runs["train.py"][0]["peak_mem_gib"], "runs": runs})
-        out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))  # after every row
-    print(f"\n{meta['date']} {gpu} torch {torch.__version__}, preset {a.preset}, batch "
-          f"{p['batch']}, {p['steps']} timed steps after {p['warmup']}, median of {repeats}")
-    print("| precision | bare loop samples/s | train.py samples/s | train.py / bare |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['precision']} | {r['bare_samples_per_s']:.1f} | {r['train_samples_per_s']:.1f} "
-              f"| {r['ratio']:.3f} |")
+    if a.gpus == "all":  # one worker per visible GPU (rows never share a GPU)
+        a.gpus = ",".join(str(i) for i in range(max(1, torch.cuda.device_count())))
+    gpus = a.gpus.split(",") if a.gpus else [None]
+    todo: queue.Queue = queue.Queue()
+    for i, r in enumerate(rows_in):
+        todo.put((i, r))
+    done: dict[int, dict] = {}
+    lock = threading.Lock()
+
+    def worker(g):
+        while True:
+            try:
+                i, r = todo.get_nowait()
+            except queue.Empty:
+                return
+            res = measure(a.preset, r, p, g)
+            with lock:
+                done[i] = res
+                msg = res.get("error", "").splitlines()[-1:] or [
+                    f"bare {res['bare_samples_per_s']:,.1f}  train.py "
+                    f"{res['train_samples_per_s']:,.1f}  ratio {res['ratio']:.3f}"]
+                print(f"  [{r['spec']} on gpu {g}] {msg[0]}", flush=True)
+                out.write_text(json.dumps({"meta": meta, "rows": [done[k] for k in sorted(done)]},
+                                          indent=2))
+
+    threads = [threading.Thread(target=worker, args=(g,)) for g in gpus]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rows = [done[k] for k in sorted(done)]
+    print(f"\n{meta['date']} {gpu} torch {torch.__version__}, preset {a.preset}, "
+          f"median of {p['repeats']} windows of {p['steps']} steps after {p['warmup']}")
+    print(table(rows))
     print(f"wrote {out}")
 
 

@@ -62,7 +62,7 @@ def loader_rate(root: Path, decode: str, batch: int, workers: int, batches: int)
     device = torch.device("cuda")
     d = data.build(dcfg, hw, batch, device, seed=0, channels_last=True)
     d.train.set_epoch(0)
-    it, warmup = iter(d.train), 5  # the first batches include the workers' start
+    it, warmup = iter(d.train), 20  # the first batches include the workers' start
     for _ in range(warmup):
         next(it)
     torch.cuda.synchronize()
@@ -93,7 +93,9 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=10_000)
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--batches", type=int, default=30)
+    ap.add_argument("--batches", type=int, default=100, help="timed loader-only batches")
+    ap.add_argument("--train-steps", type=int, default=400,
+                    help="end-to-end steps: long enough to drain the workers' prefetch buffer")
     ap.add_argument("--no-train", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "loader.json")
     a = ap.parse_args()
@@ -124,7 +126,8 @@ def main() -> None:
             for decode in ("workers", "device"):
                 save({"row": f"train.py, JPEG folder, decode={decode}",
                       **train_rate(["data=imagenet", f"data.root={root}", f"data.decode={decode}",
-                                    f"hardware.num_workers={a.workers}"], 35, 8)})
+                                    f"hardware.num_workers={a.workers}"],
+                                   a.train_steps, a.train_steps // 2)})
     print(f"\n{meta['date']} {meta['gpu']}, torch {meta['torch']}, {a.workers} workers, "
           f"batch {a.batch}, {meta['dataset']['images']} JPEGs of {meta['dataset']['mean_kb']:.0f} KB")
     print("| path | images/s |\n|---|---|")

@@ -137,3 +137,15 @@ def test_cli_rejects_bad_input_before_training(tmp_path, args, code, needle):
     assert needle in proc.stdout + proc.stderr
     assert not (tmp_path / "summary.json").exists() and not (tmp_path / "metrics.jsonl").exists()
     assert not (tmp_path / "wandb").exists()
+
+
+def test_hardware_auto_keeps_what_the_user_overrode():
+    """hardware=auto picks a profile but must not drop `hardware.num_workers=5`-style overrides
+    (a lost `hardware.memory_gib` once let batch=auto fill a whole H200)."""
+    from mixprec import hardware
+    from mixprec.config import HardwareConfig
+    picked = hardware.resolve(HardwareConfig(name="auto", device="auto"))
+    mine = hardware.resolve(HardwareConfig(name="auto", device="auto", num_workers=5,
+                                           memory_gib=3.0))
+    assert mine.name == picked.name and mine.num_workers == 5 and mine.memory_gib == 3.0
+    assert mine.peak_tflops == picked.peak_tflops  # the rest is the detected profile's

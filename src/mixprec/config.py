@@ -142,6 +142,7 @@ class ModelConfig:
     channels_last: bool = False  # NHWC memory format (faster convs on tensor cores)
     compile: bool = False  # torch.compile the model
     compile_mode: Optional[str] = None  # torch.compile mode: null, reduce-overhead, max-autotune
+    cuda_graphs: bool = False  # capture forward+backward once, replay it (static shapes, GPU only)
     grad_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
     kwargs: Dict[str, Any] = field(default_factory=dict)  # extra timm.create_model arguments
 
@@ -149,6 +150,9 @@ class ModelConfig:
         _check(bool(self.name), "model.name", self.name, "a timm model name")
         modes = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
         _one_of("model.compile_mode", self.compile_mode, modes)
+        _check(not (self.cuda_graphs and (self.compile or self.grad_checkpointing)),
+               "model.cuda_graphs", self.cuda_graphs, "false with model.compile or "
+               "model.grad_checkpointing (compile_mode=reduce-overhead graphs a compiled model)")
 
 
 @dataclass
@@ -230,7 +234,8 @@ class CkptConfig:
 @dataclass
 class BatchSearchConfig:
     start: int = 16  # first probe of batch=auto
-    growth: float = 1.5  # grow by this factor until out of memory (the seeds' +50 %)
+    growth: float = 1.5  # grow by this factor when no memory reading guides it (the seeds' +50 %)
+    aim: float = 0.97  # guided growth jumps to this fraction of the batch predicted to fill memory
     resolution: int = 8  # then bisect until the bracket is this narrow
     margin: float = 0.05  # use (1 - margin) of the largest batch that trained
     probe_steps: int = 3  # full training steps per probe
@@ -239,6 +244,7 @@ class BatchSearchConfig:
     def __post_init__(self) -> None:
         _check(self.start >= 1, "batch_search.start", self.start, ">= 1")
         _check(self.growth > 1, "batch_search.growth", self.growth, "> 1")
+        _check(0 < self.aim <= 1, "batch_search.aim", self.aim, "in (0, 1]")
         _check(self.resolution >= 1, "batch_search.resolution", self.resolution, ">= 1")
         _check(0 <= self.margin < 1, "batch_search.margin", self.margin, "in [0, 1)")
         _check(self.probe_steps >= 1, "batch_search.probe_steps", self.probe_steps, ">= 1")

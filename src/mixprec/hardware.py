@@ -38,22 +38,31 @@ def match_profile(gpu_name: str) -> str | None:
 
 
 def resolve(hw: HardwareConfig) -> HardwareConfig:
-    """Turn `auto` into a concrete profile; check that a CUDA profile has a GPU to run on."""
+    """Turn `auto` into a concrete profile, keeping what the user overrode (hardware.memory_gib=3
+    with hardware=auto still caps memory); check that a CUDA profile has a GPU to run on."""
     if hw.name == "auto" or hw.device == "auto":
-        if not torch.cuda.is_available():
-            return load_profile("cpu")
-        gpu = torch.cuda.get_device_name()
-        name = match_profile(gpu)
-        if name is None:
-            log.warning("hardware=auto: no profile matches %r; using generic CUDA defaults "
-                        "(no peak TFLOP/s, so MFU is null)", gpu)
-            total = torch.cuda.get_device_properties(0).total_memory / GIB
-            return dataclasses.replace(load_profile("cuda"), memory_gib=round(total, 1))
-        return load_profile(name)
+        base = load_profile("auto")
+        overrides = {f.name: getattr(hw, f.name) for f in dataclasses.fields(hw)
+                     if f.name not in ("name", "device", "gpu_match")
+                     and getattr(hw, f.name) != getattr(base, f.name)}
+        return dataclasses.replace(_auto(), **overrides)
     if hw.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"hardware={hw.name} needs a CUDA GPU and none is visible; "
                           "use hardware=auto or hardware=cpu")
     return hw
+
+
+def _auto() -> HardwareConfig:
+    if not torch.cuda.is_available():
+        return load_profile("cpu")
+    gpu = torch.cuda.get_device_name()
+    name = match_profile(gpu)
+    if name is None:
+        log.warning("hardware=auto: no profile matches %r; using generic CUDA defaults "
+                    "(no peak TFLOP/s, so MFU is null)", gpu)
+        total = torch.cuda.get_device_properties(0).total_memory / GIB
+        return dataclasses.replace(load_profile("cuda"), memory_gib=round(total, 1))
+    return load_profile(name)
 
 
 def setup(hw: HardwareConfig, local_rank: int = 0) -> torch.device:

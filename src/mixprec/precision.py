@@ -33,10 +33,12 @@ class Precision:
     dtype: torch.dtype | None  # autocast dtype; None = autocast off
     tf32: bool
     scaler: GradScaler  # enabled only for float16 autocast with a scaler configured
+    cache: bool = True  # autocast's weight-cast cache (off under CUDA graphs, as torch requires)
 
     def autocast(self) -> AbstractContextManager:
         dtype = self.dtype or torch.get_autocast_dtype(self.device_type)
-        return torch.autocast(self.device_type, dtype=dtype, enabled=self.dtype is not None)
+        return torch.autocast(self.device_type, dtype=dtype, enabled=self.dtype is not None,
+                              cache_enabled=self.cache)
 
     @property
     def peak_key(self) -> str:

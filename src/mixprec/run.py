@@ -74,6 +74,12 @@ def _run(c: TrainConfig, cfg: DictConfig, hw, dd: distributed.Dist) -> dict:
     effective_batch = batch * accum * world
     data = datasets.build(c.data, hw, batch, device, c.seed, c.model.channels_last, dd.rank, world)
     model = models.build(c.model, data.num_classes, data.input_shape, device)
+    peak = hw.peak_tflops.get(amp.peak_key)
+    flops = (perf.train_flops_per_sample(model, data.input_shape, data.num_classes, device,
+                                         amp.autocast)
+             if peak else None)  # MFU needs a known peak: skip the count where there is none
+    if c.model.cuda_graphs:  # a fixed batch shape: the one every training step has
+        model = models.capture_graphs(model, _example(c, data.input_shape, device, batch), amp)
     lr = optim.scaled_lr(c.optimizer, effective_batch)
     optimizer = optim.build_optimizer(c.optimizer, model, lr, device)
     model = distributed.wrap(model, dd, device)
@@ -118,10 +124,6 @@ def _run(c: TrainConfig, cfg: DictConfig, hw, dd: distributed.Dist) -> dict:
         diagnose.on_run(checkpoint.unwrap(model), optimizer, _example(c, data.input_shape, device),
                         amp, tracker, run_dir, c.trainer.log_every)
     phases = hardware.PhaseMemory(model, optimizer, device)
-    peak = hw.peak_tflops.get(amp.peak_key)
-    flops = (perf.train_flops_per_sample(checkpoint.unwrap(model), data.input_shape,
-                                         data.num_classes, device, amp.autocast)
-             if peak else None)  # MFU needs a known peak: skip the count where there is none
     meter = Throughput(device, c.trainer.perf_warmup_steps,
                        mfu=lambda sps: perf.mfu(flops, sps, peak, world))
     guard = DivergenceGuard(device, c.debug.max_bad_steps, c.debug.min_loss_scale,
@@ -175,9 +177,9 @@ def diagnose_only(cfg: DictConfig) -> str:
     return diagnose.markdown(result, amp.name)
 
 
-def _example(c: TrainConfig, input_shape, device) -> torch.Tensor:
+def _example(c: TrainConfig, input_shape, device, n: int = 2) -> torch.Tensor:
     fmt = torch.channels_last if c.model.channels_last else torch.contiguous_format
-    return torch.randn(2, *input_shape, device=device).contiguous(memory_format=fmt)
+    return torch.randn(n, *input_shape, device=device).contiguous(memory_format=fmt)
 
 
 def _choose_batch(c: TrainConfig, hw, device, world: int) -> tuple[int, int, int | None]:
@@ -227,7 +229,7 @@ def _auto_batch(c: TrainConfig, hw, device) -> tuple[int, int]:
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)  # the peak guides the next probe
 
-    settings = batch_size.SearchSettings(bs.start, bs.growth, bs.resolution, bs.margin,
+    settings = batch_size.SearchSettings(bs.start, bs.growth, bs.resolution, bs.margin, bs.aim,
                                          cache=Path(bs.cache).expanduser() if bs.cache else None)
     key = {"model": c.model.name, "kwargs": c.model.kwargs, "shape": list(shape),
            "classes": num_classes, "autocast": c.precision.autocast, "scaler": c.scaler.enabled,
@@ -236,9 +238,12 @@ def _auto_batch(c: TrainConfig, hw, device) -> tuple[int, int]:
            "grad_checkpointing": c.model.grad_checkpointing, "gpu": torch.cuda.get_device_name(device),
            "memory_gib": hw.memory_gib, "torch": torch.__version__,
            "clip": c.trainer.clip_grad_norm is not None, "resolution": bs.resolution}
-    t0 = time.perf_counter()
+    t0, bench = time.perf_counter(), torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False  # probes: cuDNN's heuristics, no per-shape timing
+    limit = hardware.memory_limit(device, hw.memory_gib)  # bytes: guides the growth
     found, hit = batch_size.cached(key, settings, lambda: batch_size.search(
-        probe, settings, agree=distributed.all_min, limit=hardware.memory_limit(device, hw.memory_gib)))
+        probe, settings, agree=distributed.all_min, limit=limit))
+    torch.backends.cudnn.benchmark = bench  # training times its algorithms, within the memory left
     found = distributed.all_min(found)  # a rank that read a different cache still agrees
     batch = batch_size.with_margin(found, bs.margin)
     log.info("batch=auto: largest micro-batch that trains is %d (%s, %.1fs); using %d (margin "

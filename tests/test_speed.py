@@ -1,0 +1,69 @@
+"""The speed switches on the CPU: torch.compile on a tiny model, channels_last end to end, the
+CUDA-graph switch's checks, the loader's prefetch path and the optimizer kernel choice.
+(Their speed is measured by benchmarks/bare_vs_train.py on a GPU, not here.)"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mixprec import models, optim, run
+from mixprec.config import ConfigError, ModelConfig, OptimizerConfig, validate
+from mixprec.data.loaders import prefetch
+
+SYNTH = ["data=synthetic", "data.shape=[3,16,16]", "data.num_classes=10", "batch=8",
+         "model=resnet18", "trainer.max_steps=3"]
+
+
+def losses(cfg) -> list[float]:
+    rows = (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r["train/loss"] for r in map(json.loads, rows) if "train/loss" in r]
+
+
+def test_compile_trains_a_tiny_model_like_eager(cfg_factory, tmp_path):
+    eager = cfg_factory("model=digits_mlp", "trainer.max_steps=3", "+model.kwargs.width=16")
+    compiled = cfg_factory("model=digits_mlp", "trainer.max_steps=3", "+model.kwargs.width=16",
+                           "model.compile=true", f"run_dir={tmp_path / 'compiled'}")
+    run.run(eager)
+    s = run.run(compiled)
+    assert s["status"] == "completed" and s["steps"] == 3
+    assert losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
+
+
+def test_channels_last_reaches_the_model_and_its_inputs(cfg_factory):
+    c = validate(cfg_factory(*SYNTH, "model.channels_last=true"))
+    model = models.build(c.model, 10, (3, 16, 16), torch.device("cpu"))
+    assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not model.conv1.weight.is_contiguous()
+    from mixprec import data, hardware
+    d = data.build(c.data, hardware.resolve(c.hardware), 8, torch.device("cpu"), 0,
+                   channels_last=True)
+    x, _ = next(iter(d.train))
+    assert x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    assert run.run(cfg_factory(*SYNTH, "model.channels_last=true"))["status"] == "completed"
+
+
+def test_cuda_graphs_needs_a_gpu_and_excludes_compile(cfg_factory):
+    with pytest.raises(ConfigError, match="model.cuda_graphs=true .*needs a GPU"):
+        run.run(cfg_factory(*SYNTH, "model.cuda_graphs=true"))
+    with pytest.raises(ConfigError, match="model.cuda_graphs.*false with model.compile"):
+        validate(cfg_factory(*SYNTH, "model.cuda_graphs=true", "model.compile=true"))
+
+
+def test_prefetch_stages_every_batch_in_order():
+    staged = list(prefetch(iter([(1, 2), (3, 4), (5, 6)]), lambda b: (b[0] * 10, b[1]),
+                           torch.device("cpu")))
+    assert staged == [(10, 2), (30, 4), (50, 6)]
+
+
+def test_optimizer_kernels_follow_the_config():
+    model = torch.nn.Linear(4, 4)
+    cpu = torch.device("cpu")
+    opt = optim.build_optimizer(OptimizerConfig(foreach=True), model, 0.1, cpu)
+    assert opt.defaults["foreach"] is True and not opt.defaults.get("fused")
+    opt = optim.build_optimizer(OptimizerConfig(), model, 0.1, cpu)  # fused only on CUDA
+    assert not opt.defaults.get("fused")
+    with pytest.raises(ConfigError, match="optimizer.fused"):
+        OptimizerConfig(fused=True, foreach=True)
