@@ -72,6 +72,8 @@ def setup(hw: HardwareConfig, local_rank: int = 0) -> torch.device:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = hw.cudnn_benchmark
+        log.info("cudnn.benchmark=%s (%s)", hw.cudnn_benchmark, "cuDNN times its algorithms "
+                 "for each new shape" if hw.cudnn_benchmark else "cuDNN's heuristics")
         if hw.memory_gib is not None:
             cap_memory(hw.memory_gib, hw.name)
     return device

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -113,7 +114,7 @@ def train(model: nn.Module, data, loss_fn: Callable, optimizer, scheduler, amp: 
     lr = lambda: optimizer.param_groups[-1]["lr"]  # noqa: E731
     check = lambda out: guard.check(state.step, float(out.loss), amp.loss_scale(), lr())  # noqa: E731
     meter.start(state.step)
-    out = None
+    out, first = None, time.perf_counter()
     for epoch in range(state.epoch, cfg.epochs):
         data.train.set_epoch(epoch, skip=state.batch_in_epoch)
         batches = iter(data.train)
@@ -124,6 +125,12 @@ def train(model: nn.Module, data, loss_fn: Callable, optimizer, scheduler, amp: 
             want_norm = (state.step + 1) % cfg.log_every == 0
             out = train_step(model, micro, loss_fn, optimizer, amp, watch, cfg.clip_grad_norm,
                              want_norm, no_sync)
+            if first is not None:  # one sync: how long compile / autotuning / capture took
+                float(out.loss)
+                log.info("first step took %.1fs (compile, cuDNN autotuning and graph capture "
+                         "happen here; warm-up keeps them out of samples/s)",
+                         time.perf_counter() - first)
+                first = None
             guard.update(out.loss)
             state.batch_in_epoch += cfg.accum
             state.attempts += 1

@@ -89,6 +89,7 @@ def build(mcfg: ModelConfig, num_classes: int, input_shape: tuple[int, int, int]
         model = enable_grad_checkpointing(model, mcfg.name)
     if mcfg.channels_last:
         model.to(memory_format=torch.channels_last)
+        log.info("model.channels_last: weights (and every input batch) in NHWC")
     if mcfg.compile:
         t0 = time.perf_counter()
         model = torch.compile(model, mode=mcfg.compile_mode)

@@ -3,6 +3,7 @@ LR schedules. Schedules count real optimizer steps: the loop steps them only aft
 GradScaler did not skip."""
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -10,6 +11,8 @@ from timm.optim import create_optimizer_v2
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 
 from .config import OptimizerConfig, SchedulerConfig
+
+log = logging.getLogger(__name__)
 
 
 def scaled_lr(ocfg: OptimizerConfig, effective_batch: int) -> float:
@@ -29,6 +32,9 @@ def build_optimizer(ocfg: OptimizerConfig, model: torch.nn.Module, lr: float,
         kwargs.update(momentum=ocfg.momentum, nesterov=ocfg.nesterov)
     else:
         kwargs.update(betas=tuple(ocfg.betas), eps=ocfg.eps)
+    log.info("optimizer=%s: %s", ocfg.name, "fused kernels" if fused else
+             {True: "foreach kernels", False: "per-tensor kernels"}.get(
+                 ocfg.foreach, "torch's default kernels (foreach on a GPU)"))
     return create_optimizer_v2(model, ocfg.name, lr=lr, weight_decay=ocfg.weight_decay, **kwargs)
 
 
