@@ -118,3 +118,22 @@ def test_prefetch_on_a_side_stream_delivers_the_same_batches():
     assert len(got) == 5
     for (x, y), (gx, gy) in zip(cpu, got):
         assert torch.equal(gx.cpu(), x * 2) and torch.equal(gy.cpu(), y)
+
+
+def test_nvjpeg_decode_matches_the_workers_on_the_gpu(cfg_factory, tmp_path):
+    """data.decode=device on CUDA (nvJPEG) gives the evaluation images the PIL workers give."""
+    from mixprec import data
+    from mixprec.config import validate
+    from test_data import smooth_jpegs
+    root = smooth_jpegs(tmp_path / "imgs")
+    got = []
+    for decode in ("workers", "device"):
+        c = validate(cfg_factory("data=imagenet", f"data.root={root}", "data.image_size=32",
+                                 "data.eval_resize=36", f"data.decode={decode}", small=False))
+        d = data.build(c.data, hardware.resolve(c.hardware), 8, torch.device("cuda"), 0,
+                       channels_last=True)
+        got.append(next(iter(d.val)))
+    (xw, yw), (xd, yd) = got
+    assert xd.is_cuda and xd.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(yw, yd)
+    assert (xw - xd).abs().mean() < 0.1  # nvJPEG vs libjpeg, crop-then-resize: a few grey levels
