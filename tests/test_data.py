@@ -16,14 +16,20 @@ TINY = ["model=resnet18", "batch=4", "trainer.max_steps=2", "data.image_size=32"
         "data.eval_resize=36"]
 
 
-def make_folder(root: Path, classes=("cat", "dog"), n=6) -> Path:
-    rng = np.random.default_rng(0)
+def make_folder(root: Path, classes=("cat", "dog"), n=6, smooth: bool = False) -> Path:
+    """Generated JPEGs: noise (40x48), or photo-like smooth 64x48 images (`smooth`), on which
+    two decoders agree closely."""
+    rng = np.random.default_rng(int(smooth))
     for split in ("train", "val"):
         for c in classes:
             d = root / split / c
             d.mkdir(parents=True, exist_ok=True)
             for i in range(n):
-                Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(d / f"{i}.jpg")
+                if smooth:
+                    small = Image.fromarray(rng.integers(0, 255, (4, 5, 3), dtype=np.uint8))
+                    small.resize((64, 48), Image.BICUBIC).save(d / f"{i}.jpg", quality=95)
+                else:
+                    Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(d / f"{i}.jpg")
     return root
 
 
@@ -87,17 +93,8 @@ def test_cifar10_missing_is_a_clear_error(cfg_factory, tmp_path):
         run.run(cfg_factory("data=cifar10", f"data.root={tmp_path}", "trainer.max_steps=1"))
 
 
-def smooth_jpegs(root: Path, classes=("cat", "dog"), n=4, size=(64, 48)) -> Path:
-    """Photo-like (smooth) JPEGs, so that two decoders agree closely."""
-    rng = np.random.default_rng(1)
-    for split in ("train", "val"):
-        for c in classes:
-            d = root / split / c
-            d.mkdir(parents=True, exist_ok=True)
-            for i in range(n):
-                small = Image.fromarray(rng.integers(0, 255, (4, 5, 3), dtype=np.uint8))
-                small.resize(size, Image.BICUBIC).save(d / f"{i}.jpg", quality=95)
-    return root
+def smooth_jpegs(root: Path) -> Path:
+    return make_folder(root, n=4, smooth=True)
 
 
 def _batches(dcfg_overrides, cfg_factory, root, split="val", n=1):
