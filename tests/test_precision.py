@@ -52,9 +52,9 @@ class _Scale(torch.autograd.Function):
         return g * ctx.mod.factor, None
 
 
-def setup(amp, sched="constant"):
+def setup(amp, sched="constant", fused=False):
     model = nn.Sequential(mlp(), InfGrad())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
     sch = optim.build_scheduler(SchedulerConfig(name=sched, warmup_steps=0), opt, total_steps=10)
     return model, opt, sch
 
@@ -73,9 +73,12 @@ def run_steps(model, opt, sch, amp, data, state=None):
     return state
 
 
-def test_overflow_halves_the_scale_and_skips_the_step():
+@pytest.mark.parametrize("fused", [False, True])
+def test_overflow_halves_the_scale_and_skips_the_step(fused):
+    """Also with a fused optimizer (the CUDA default), which GradScaler lets skip the update
+    inside its kernel: the step must still count as skipped."""
     amp = fp16(init_scale=1024.0)
-    model, opt, sch = setup(amp, "cosine")
+    model, opt, sch = setup(amp, "cosine", fused)
     weights = [p.detach().clone() for p in model.parameters()]
     lr_before = opt.param_groups[0]["lr"]
     model[1].factor = float("inf")

@@ -93,17 +93,25 @@ def build(pcfg: PrecisionConfig, scfg: ScalerConfig, device: torch.device) -> Pr
 class StepWatch:
     """Tells whether optimizer.step() really ran (GradScaler skips it on inf/nan gradients).
 
-    Uses the optimizer's public post-step hook, so it costs no extra GPU sync: GradScaler
-    already syncs once per step to decide whether to skip.
+    Uses the optimizer's public step hooks. For most optimizers GradScaler syncs once per step to
+    decide whether to call step() at all, so the post-step hook firing means it ran, at no extra
+    cost. Fused optimizers (`fused=True`, the default on CUDA) are different: GradScaler calls
+    their step() every time and hands them `found_inf`, and the kernel skips the update on the
+    GPU without a sync. For those we read that flag: the same one sync per fp16 step.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self._ran = False
+        self._ran, self._found_inf = False, None
+        optimizer.register_step_pre_hook(self._pre)
         optimizer.register_step_post_hook(self._hook)
+
+    def _pre(self, optimizer, *_args) -> None:
+        self._found_inf = getattr(optimizer, "found_inf", None)  # set by GradScaler.step
 
     def _hook(self, *_args) -> None:
         self._ran = True
 
     def pop(self) -> bool:
-        ran, self._ran = self._ran, False
-        return ran
+        ran, found_inf = self._ran, self._found_inf
+        self._ran, self._found_inf = False, None
+        return ran and not (found_inf is not None and bool(found_inf.item()))
