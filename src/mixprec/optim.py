@@ -10,7 +10,7 @@ import torch
 from timm.optim import create_optimizer_v2
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 
-from .config import OptimizerConfig, SchedulerConfig
+from .config import ConfigError, OptimizerConfig, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
@@ -22,11 +22,24 @@ def scaled_lr(ocfg: OptimizerConfig, effective_batch: int) -> float:
     return ocfg.lr * factor
 
 
+def use_fused(ocfg: OptimizerConfig, device_type: str, fp16_scaler: bool) -> bool:
+    """Fused kernels (one launch per step) by default on CUDA, except SGD under an fp16
+    GradScaler: torch's fused SGD takes GradScaler's found_inf into the kernel and still
+    initialises/advances the momentum buffer on the steps the scaler skips (the usual overflows
+    of the first steps), which corrupts training. Fused Adam/AdamW honour found_inf."""
+    unsafe = ocfg.name == "sgd" and fp16_scaler
+    if ocfg.fused and unsafe:
+        raise ConfigError("optimizer.fused=true with sgd and an fp16 GradScaler: torch's fused "
+                          "SGD corrupts its momentum on the steps the scaler skips; leave "
+                          "optimizer.fused=null (foreach), or use bf16 or adamw")
+    if ocfg.fused is not None:
+        return ocfg.fused
+    return device_type == "cuda" and ocfg.foreach is None and not unsafe
+
+
 def build_optimizer(ocfg: OptimizerConfig, model: torch.nn.Module, lr: float,
-                    device: torch.device) -> torch.optim.Optimizer:
-    fused = ocfg.fused
-    if fused is None:  # fused kernels: one launch per step instead of one per tensor
-        fused = device.type == "cuda" and ocfg.foreach is None
+                    device: torch.device, fp16_scaler: bool = False) -> torch.optim.Optimizer:
+    fused = use_fused(ocfg, device.type, fp16_scaler)
     kwargs = dict(fused=True) if fused else dict(foreach=ocfg.foreach)
     if ocfg.name == "sgd":
         kwargs.update(momentum=ocfg.momentum, nesterov=ocfg.nesterov)
