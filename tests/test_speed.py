@@ -80,3 +80,17 @@ def test_sgd_is_never_fused_under_an_fp16_scaler():
     with pytest.raises(ConfigError, match="optimizer.fused=true with sgd"):
         optim.use_fused(OptimizerConfig(name="sgd", fused=True), "cuda", fp16_scaler=True)
 
+
+
+def test_batch_search_leaves_cudnn_benchmark_as_it_was_even_on_error():
+    from mixprec import hardware
+    before = torch.backends.cudnn.benchmark
+    try:
+        torch.backends.cudnn.benchmark = True
+        with pytest.raises(RuntimeError):
+            with hardware.cudnn_benchmark(False):
+                assert torch.backends.cudnn.benchmark is False
+                raise RuntimeError("a probe failed")
+        assert torch.backends.cudnn.benchmark is True
+    finally:
+        torch.backends.cudnn.benchmark = before

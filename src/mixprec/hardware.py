@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import resource
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -83,6 +84,16 @@ def memory_limit(device: torch.device, memory_gib: float | None) -> int:
     """Bytes this process may allocate on the GPU: the card, or the emulated card's cap."""
     total = torch.cuda.get_device_properties(device).total_memory
     return int(min(total, memory_gib * GIB)) if memory_gib else total
+
+
+@contextmanager
+def cudnn_benchmark(enabled: bool):
+    """cudnn.benchmark set for a block and restored after it, also on an error."""
+    before, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, enabled
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
 
 
 def cap_memory(memory_gib: float, profile: str) -> None:

@@ -238,12 +238,10 @@ def _auto_batch(c: TrainConfig, hw, device) -> tuple[int, int]:
            "grad_checkpointing": c.model.grad_checkpointing, "gpu": torch.cuda.get_device_name(device),
            "memory_gib": hw.memory_gib, "torch": torch.__version__,
            "clip": c.trainer.clip_grad_norm is not None, "resolution": bs.resolution}
-    t0, bench = time.perf_counter(), torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = False  # probes: cuDNN's heuristics, no per-shape timing
-    limit = hardware.memory_limit(device, hw.memory_gib)  # bytes: guides the growth
-    found, hit = batch_size.cached(key, settings, lambda: batch_size.search(
-        probe, settings, agree=distributed.all_min, limit=limit))
-    torch.backends.cudnn.benchmark = bench  # training times its algorithms, within the memory left
+    t0, limit = time.perf_counter(), hardware.memory_limit(device, hw.memory_gib)
+    with hardware.cudnn_benchmark(False):  # probes: heuristics, no per-shape algorithm timing
+        found, hit = batch_size.cached(key, settings, lambda: batch_size.search(
+            probe, settings, agree=distributed.all_min, limit=limit))
     found = distributed.all_min(found)  # a rank that read a different cache still agrees
     batch = batch_size.with_margin(found, bs.margin)
     log.info("batch=auto: largest micro-batch that trains is %d (%s, %.1fs); using %d (margin "

@@ -25,9 +25,8 @@ class Normalize:
         self.device, self.fmt = device, fmt
 
     def __call__(self, batch):
-        x, y = batch
-        x = x.to(self.device, non_blocking=True).contiguous(memory_format=self.fmt)
-        return x.float().sub_(self.mean).div_(self.std), y.to(self.device, non_blocking=True)
+        x, y = to_device(batch, self.device, self.fmt)
+        return x.float().sub_(self.mean).div_(self.std), y
 
 
 def prefetch(batches: Iterable, stage: Callable, device: torch.device) -> Iterator:
