@@ -149,3 +149,23 @@ def test_hardware_auto_keeps_what_the_user_overrode():
                                            memory_gib=3.0))
     assert mine.name == picked.name and mine.num_workers == 5 and mine.memory_gib == 3.0
     assert mine.peak_tflops == picked.peak_tflops  # the rest is the detected profile's
+
+
+def test_an_emulated_card_keeps_its_memory_but_mfu_uses_the_real_gpus_peaks(monkeypatch):
+    """hardware=rtx3090 on an H200 caps memory at 24 GiB; MFU against a 3090's 71 TFLOP/s would
+    exceed 1 (the seed table once printed 1.04), so the real GPU's peaks are used."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "NVIDIA H200")
+    emulated = hardware.resolve(validate(compose_cfg(["hardware=rtx3090"])).hardware)
+    assert emulated.memory_gib == 24 and emulated.name == "rtx3090"
+    assert emulated.peak_tflops == hardware.load_profile("h200").peak_tflops
+    mine = hardware.resolve(validate(compose_cfg(["hardware=rtx3090",
+                                                  "hardware.peak_tflops={fp16: 1.0}"])).hardware)
+    assert mine.peak_tflops["fp16"] == 1.0  # an explicit override keeps the profile's peaks
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "NVIDIA GeForce RTX 3090")
+    native = hardware.resolve(validate(compose_cfg(["hardware=rtx3090"])).hardware)
+    assert native.peak_tflops == hardware.load_profile("rtx3090").peak_tflops
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
+    unknown = hardware.resolve(validate(compose_cfg(["hardware=rtx3090"])).hardware)
+    assert unknown.peak_tflops == {}  # no known peaks: MFU null rather than wrong

@@ -3,6 +3,7 @@ CUDA-graph switch's checks, the loader's prefetch path and the optimizer kernel 
 (Their speed is measured by benchmarks/bare_vs_train.py on a GPU, not here.)"""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 
 from mixprec import models, optim, run
 from mixprec.config import ConfigError, ModelConfig, OptimizerConfig, validate
-from mixprec.data.loaders import prefetch
+from mixprec.data.loaders import prefetch, prefetch_in_thread
 
 SYNTH = ["data=synthetic", "data.shape=[3,16,16]", "data.num_classes=10", "batch=8",
          "model=resnet18", "trainer.max_steps=3"]
@@ -30,6 +31,30 @@ def test_compile_trains_a_tiny_model_like_eager(cfg_factory, tmp_path):
     s = run.run(compiled)
     assert s["status"] == "completed" and s["steps"] == 3
     assert losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
+
+
+def test_counting_flops_does_not_compile_the_model_for_another_shape():
+    """The MFU FLOP count runs at batch 2; through the compiled model it would compile a second
+    shape first, and dynamo would then make the batch dimension dynamic for the real run (on
+    the H200 this cost compile all of its gain). It must count on the eager module."""
+    from mixprec import perf
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)])
+        return gm.forward
+
+    torch._dynamo.reset()
+    eager = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 6 * 6, 10))
+    compiled = torch.compile(eager, backend=backend)
+    cpu = torch.device("cpu")
+    flops = perf.train_flops_per_sample(compiled, (3, 8, 8), 10, cpu, contextlib.nullcontext)
+    assert flops == perf.train_flops_per_sample(eager, (3, 8, 8), 10, cpu, contextlib.nullcontext)
+    assert graphs == []  # nothing compiled yet: the first real batch fixes the static shape
+    compiled(torch.zeros(5, 3, 8, 8))
+    assert len(graphs) == 1
 
 
 def test_channels_last_reaches_the_model_and_its_inputs(cfg_factory):
@@ -56,6 +81,30 @@ def test_prefetch_stages_every_batch_in_order():
     staged = list(prefetch(iter([(1, 2), (3, 4), (5, 6)]), lambda b: (b[0] * 10, b[1]),
                            torch.device("cpu")))
     assert staged == [(10, 2), (30, 4), (50, 6)]
+
+
+def test_staging_thread_keeps_order_stays_bounded_and_raises_errors():
+    import threading
+    seen = []
+
+    def source():
+        for i in range(20):
+            seen.append(i)
+            yield (i, -i)
+
+    gen = prefetch_in_thread(source(), lambda b: (b[0] * 10, b[1]), torch.device("cpu"), depth=2)
+    assert [next(gen) for _ in range(3)] == [(0, 0), (10, -1), (20, -2)]
+    assert len(seen) <= 3 + 2 + 1  # yielded + queued + one being staged: bounded read-ahead
+    gen.close()  # a run that stops mid-epoch: the thread must end, not leak
+    assert not any(t.name == "mixprec-stage" for t in threading.enumerate())
+    assert list(prefetch_in_thread(iter([(1, 2), (3, 4)]), lambda b: b, torch.device("cpu"))) \
+        == [(1, 2), (3, 4)]
+
+    def bad(_b):
+        raise ConfigError("unreadable image x.jpg")
+
+    with pytest.raises(ConfigError, match="x.jpg"):  # an error in the thread reaches the loop
+        list(prefetch_in_thread(iter([(1, 2)]), bad, torch.device("cpu")))
 
 
 def test_optimizer_kernels_follow_the_config():

@@ -50,7 +50,22 @@ def resolve(hw: HardwareConfig) -> HardwareConfig:
     if hw.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"hardware={hw.name} needs a CUDA GPU and none is visible; "
                           "use hardware=auto or hardware=cpu")
-    return hw
+    return _emulated(hw) if hw.device == "cuda" else hw
+
+
+def _emulated(hw: HardwareConfig) -> HardwareConfig:
+    """A profile for another card (hardware=rtx3090 on an H200) emulates its memory, not its
+    speed: MFU is measured against the peaks of the GPU that really runs (unless overridden)."""
+    gpu = torch.cuda.get_device_name()
+    if not hw.gpu_match or hw.gpu_match.lower() in gpu.lower():
+        return hw
+    if hw.peak_tflops != load_profile(hw.name).peak_tflops:  # the user set them: keep them
+        return hw
+    real = match_profile(gpu)
+    peaks = load_profile(real).peak_tflops if real else {}
+    log.info("hardware=%s on a %s: its memory is emulated; MFU uses the %s peaks", hw.name, gpu,
+             real or "unknown (so MFU is null)")
+    return dataclasses.replace(hw, peak_tflops=peaks)
 
 
 def _auto() -> HardwareConfig:

@@ -65,12 +65,15 @@ class Throughput:
 def train_flops_per_sample(model: torch.nn.Module, input_shape, num_classes: int,
                            device: torch.device, autocast, batch: int = 2) -> int:
     """Forward + backward FLOPs of one sample, counted once by torch.utils.flop_counter on a copy
-    of the real model (so BatchNorm statistics and gradients of the run are untouched)."""
+    of the real model (so BatchNorm statistics and gradients of the run are untouched).
+    A torch.compile'd model is counted on its eager module: calling the compiled one at this
+    batch would compile it for a second shape, and dynamo would then make the batch dimension
+    dynamic, which costs the real run its static (fast) graph."""
     import copy
 
     from torch.utils.flop_counter import FlopCounterMode
 
-    twin = copy.deepcopy(model).train()
+    twin = copy.deepcopy(getattr(model, "_orig_mod", model)).train()
     x = torch.randn(batch, *input_shape, device=device)
     y = torch.randint(0, num_classes, (batch,), device=device)
     with FlopCounterMode(display=False) as counter:

@@ -8,7 +8,8 @@ Workers ship uint8 images (a quarter of float32's bytes) and the normalisation r
 training device, one batch ahead on a side stream (loaders.prefetch). With `data.decode=device`
 the workers only read the JPEG bytes and draw the crop; decoding (nvJPEG on a GPU, through
 torchvision.io.decode_jpeg), crop, resize, flip and normalisation run on the device (images.py:
-DeviceDecode) — the path for when the CPU cores cannot decode as fast as the GPU trains.
+DeviceDecode), staged by a background thread a couple of batches ahead — the path for when
+the CPU cores cannot decode as fast as the GPU trains.
 """
 from __future__ import annotations
 
@@ -135,7 +136,8 @@ def _loaders(train_ds, val_ds, dcfg, hw, batch, device, fmt, seed, rank, world, 
              collate=None, stage=None):
     kw = dict(device=device, fmt=fmt, seed=seed, rank=rank, world=world,
               num_workers=hw.num_workers, pin_memory=hw.pin_memory, collate_fn=collate,
-              stage=stage or Normalize(*stats, device, fmt))
+              stage=stage or Normalize(*stats, device, fmt),
+              stage_thread=stage is not None)  # device decode: staged by a background thread
     train = EpochLoader(_subset(train_ds, dcfg.subset, dcfg.data_seed), batch,
                         persistent_workers=hw.persistent_workers, **kw)
     val = EpochLoader(_subset(val_ds, dcfg.subset, dcfg.data_seed + 1), batch, shuffle=False,

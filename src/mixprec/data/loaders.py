@@ -3,6 +3,9 @@ and the GPU prefetcher that overlaps the next batch's host-to-device copy (and i
 normalisation on the GPU) with the current step's compute."""
 from __future__ import annotations
 
+import queue
+import threading
+from contextlib import nullcontext
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -27,6 +30,61 @@ class Normalize:
     def __call__(self, batch):
         x, y = to_device(batch, self.device, self.fmt)
         return x.float().sub_(self.mean).div_(self.std), y
+
+
+def prefetch_in_thread(batches: Iterable, stage: Callable, device: torch.device,
+                       depth: int = 2) -> Iterator:
+    """Yield stage(batch) for each batch, staged by a background thread up to `depth` batches
+    ahead (on its own CUDA stream on a GPU). For heavy stages (data.decode=device: nvJPEG's
+    host-side work and a few kernels per image), which inline would leave the GPU idle between
+    steps: the training step syncs once per step, so the GPU would wait for the CPU to decode
+    the next batch. The compute stream waits for each batch on an event, never the host; an
+    error in the thread is raised here; closing the generator stops the thread."""
+    cuda = device.type == "cuda"
+    items: queue.Queue = queue.Queue(maxsize=depth)
+    stop, done = threading.Event(), object()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                items.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def work() -> None:
+        try:
+            side = torch.cuda.Stream(device) if cuda else None
+            with torch.cuda.device(device) if cuda else nullcontext():
+                for batch in batches:
+                    with torch.cuda.stream(side) if cuda else nullcontext():
+                        staged = stage(batch)
+                        ready = torch.cuda.Event() if cuda else None
+                        if ready is not None:
+                            ready.record(side)
+                    if not put((staged, ready)):
+                        return
+            put(done)
+        except BaseException as e:  # noqa: BLE001  (re-raised in the consumer)
+            put(e)
+
+    thread = threading.Thread(target=work, name="mixprec-stage", daemon=True)
+    thread.start()
+    compute = torch.cuda.current_stream(device) if cuda else None
+    try:
+        while (item := items.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            staged, ready = item
+            if ready is not None:
+                compute.wait_event(ready)
+                for t in staged:  # allocated on the side stream, used on the compute stream
+                    t.record_stream(compute)
+            yield staged
+    finally:
+        stop.set()
+        thread.join(timeout=60)
 
 
 def prefetch(batches: Iterable, stage: Callable, device: torch.device) -> Iterator:
@@ -57,19 +115,21 @@ class EpochLoader:
     through an epoch so a resumed run sees exactly the batches it would have seen.
 
     `stage` turns a collated CPU batch into (inputs, targets) on the device (default: copy);
-    on a GPU it runs one batch ahead on a side stream (see prefetch)."""
+    on a GPU it runs one batch ahead on a side stream (see prefetch), or, with
+    `stage_thread=True` (for heavy stages), in a background thread (prefetch_in_thread)."""
 
     def __init__(self, dataset: Dataset, batch: int, device: torch.device,
                  fmt: torch.memory_format, seed: int, rank: int, world: int, num_workers: int = 0,
                  pin_memory: bool = False, shuffle: bool = True, drop_last: bool = True,
                  collate_fn=None, stage: Callable | None = None,
-                 persistent_workers: bool = False) -> None:
+                 persistent_workers: bool = False, stage_thread: bool = False) -> None:
         self.sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle,
                                           seed=seed, drop_last=drop_last)
         self.dataset, self.batch, self.device, self.fmt = dataset, batch, device, fmt
         self.drop_last, self.skip, self.seed, self.epoch = drop_last, 0, seed, 0
         self.stage = stage or (lambda b: to_device(b, device, fmt))
         self.persistent = persistent_workers and num_workers > 0
+        self.stage_thread = stage_thread
         self.loader_kw = dict(num_workers=num_workers, collate_fn=collate_fn,
                               pin_memory=pin_memory and device.type == "cuda",
                               prefetch_factor=4 if num_workers else None,
@@ -101,7 +161,8 @@ class EpochLoader:
         return loader
 
     def __iter__(self):
-        yield from prefetch(self._dataloader(), self.stage, self.device)
+        ahead = prefetch_in_thread if self.stage_thread else prefetch
+        yield from ahead(self._dataloader(), self.stage, self.device)
 
 
 class _CurrentEpoch:
