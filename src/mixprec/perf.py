@@ -66,9 +66,8 @@ def train_flops_per_sample(model: torch.nn.Module, input_shape, num_classes: int
                            device: torch.device, autocast, batch: int = 2) -> int:
     """Forward + backward FLOPs of one sample, counted once by torch.utils.flop_counter on a copy
     of the real model (so BatchNorm statistics and gradients of the run are untouched).
-    A torch.compile'd model is counted on its eager module: calling the compiled one at this
-    batch would compile it for a second shape, and dynamo would then make the batch dimension
-    dynamic, which costs the real run its static (fast) graph."""
+    A torch.compile'd model is counted on its eager module: on torch 2.11 a compiled forward
+    first called under FlopCounterMode was never compiled afterwards (train.py then ran eager)."""
     import copy
 
     from torch.utils.flop_counter import FlopCounterMode
