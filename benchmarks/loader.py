@@ -13,6 +13,7 @@ the page cache (a warm dataset): disk speed is not measured.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -61,8 +62,13 @@ def loader_rate(root: Path, decode: str, batch: int, workers: int, batches: int)
     dcfg = DataConfig(name="imagenet", root=str(root), decode=decode)
     device = torch.device("cuda")
     d = data.build(dcfg, hw, batch, device, seed=0, channels_last=True)
-    d.train.set_epoch(0)
-    it, warmup = iter(d.train), 20  # the first batches include the workers' start
+
+    def epochs():  # as training sees them: epoch after epoch (10,000 JPEGs are 39 batches)
+        for epoch in itertools.count():
+            d.train.set_epoch(epoch)
+            yield from d.train
+
+    it, warmup = epochs(), 20  # the first batches include the workers' start
     for _ in range(warmup):
         next(it)
     torch.cuda.synchronize()
