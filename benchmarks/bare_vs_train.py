@@ -79,8 +79,10 @@ def bare(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
         loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True, drop_last=True)
         batches = lambda: (b for _ in range(10**9) for b in loader)  # noqa: E731
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True,
-                          weight_decay=5e-5,  # fused SGD is unsafe under fp16's GradScaler
-                          **({"fused": True} if cuda and dtype is not torch.float16 else {}))
+                          weight_decay=5e-5, **({"fused": True} if cuda else {}))
+    if cuda:  # as train.py (optim.zero_momentum): safe when GradScaler skips the first step
+        for p in model.parameters():
+            opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
     autocast = lambda: torch.autocast(device.type, dtype=dtype or torch.bfloat16,  # noqa: E731
                                       enabled=dtype is not None, cache_enabled=not row["graphs"])

@@ -38,10 +38,8 @@ def true_max(precision: str, ckpt: bool, cap_gib: float) -> int:
             model = timm.create_model("resnet50", num_classes=1000).cuda()
             if ckpt:
                 model.set_grad_checkpointing(True)
-            # the kernels train.py picks: fused SGD, foreach under fp16's scaler (optim.use_fused)
-            fused = dict(foreach=True) if dtype is torch.float16 else dict(fused=True)
             opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9, nesterov=True,
-                                  **fused)
+                                  fused=True)
             scaler = torch.amp.GradScaler("cuda", enabled=dtype is torch.float16)
             x = torch.randn(b, 3, 224, 224, device="cuda")
             y = torch.randint(0, 1000, (b,), device="cuda")

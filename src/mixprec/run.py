@@ -81,7 +81,7 @@ def _run(c: TrainConfig, cfg: DictConfig, hw, dd: distributed.Dist) -> dict:
     if c.model.cuda_graphs:  # a fixed batch shape: the one every training step has
         model = models.capture_graphs(model, _example(c, data.input_shape, device, batch), amp)
     lr = optim.scaled_lr(c.optimizer, effective_batch)
-    optimizer = optim.build_optimizer(c.optimizer, model, lr, device, amp.scaler.is_enabled())
+    optimizer = optim.build_optimizer(c.optimizer, model, lr, device)
     model = distributed.wrap(model, dd, device)
     steps_per_epoch = len(data.train) // accum
     if steps_per_epoch < 1:  # also with max_steps: no epoch would ever yield a step
@@ -216,7 +216,7 @@ def _auto_batch(c: TrainConfig, hw, device) -> tuple[int, int]:
     def probe(b: int) -> int:  # real steps with fresh state: the memory training will need
         model = models.build(c.model, num_classes, shape, device)
         amp = precision.build(c.precision, c.scaler, device)
-        opt = optim.build_optimizer(c.optimizer, model, 1e-6, device, amp.scaler.is_enabled())
+        opt = optim.build_optimizer(c.optimizer, model, 1e-6, device)
         watch = precision.StepWatch(opt)
         x = torch.randn(b, *shape, device=device).contiguous(memory_format=fmt)
         y = torch.randint(0, num_classes, (b,), device=device)
