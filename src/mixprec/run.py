@@ -16,11 +16,9 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from . import (batch_size, checkpoint, diagnose, distributed, hardware, loop, models, optim,
-               precision)
+               perf, precision)
 from . import data as datasets
 from .config import ConfigError, TrainConfig, validate
-from . import perf
-from .perf import Throughput
 from .safety import DivergenceGuard, Diverged, Preempted, StopSignals
 from .tracking import Tracker, wandb_mode
 
@@ -124,8 +122,8 @@ def _run(c: TrainConfig, cfg: DictConfig, hw, dd: distributed.Dist) -> dict:
         diagnose.on_run(checkpoint.unwrap(model), optimizer, _example(c, data.input_shape, device),
                         amp, tracker, run_dir, c.trainer.log_every)
     phases = hardware.PhaseMemory(model, optimizer, device)
-    meter = Throughput(device, c.trainer.perf_warmup_steps,
-                       mfu=lambda sps: perf.mfu(flops, sps, peak, world))
+    meter = perf.Throughput(device, c.trainer.perf_warmup_steps,
+                            mfu=lambda sps: perf.mfu(flops, sps, peak, world))
     guard = DivergenceGuard(device, c.debug.max_bad_steps, c.debug.min_loss_scale,
                             reduce=distributed.all_reduce)
     torch.autograd.set_detect_anomaly(c.debug.detect_anomaly)
@@ -210,7 +208,6 @@ def _auto_batch(c: TrainConfig, hw, device) -> tuple[int, int]:
         raise ConfigError("batch=auto searches GPU memory and needs a CUDA device; on the CPU "
                           "give batch=<int>")
     num_classes, shape = datasets.spec(c.data)
-    fmt = torch.channels_last if c.model.channels_last else torch.contiguous_format
     bs = c.batch_search
 
     def probe(b: int) -> int:  # real steps with fresh state: the memory training will need
@@ -218,7 +215,7 @@ def _auto_batch(c: TrainConfig, hw, device) -> tuple[int, int]:
         amp = precision.build(c.precision, c.scaler, device)
         opt = optim.build_optimizer(c.optimizer, model, 1e-6, device)
         watch = precision.StepWatch(opt)
-        x = torch.randn(b, *shape, device=device).contiguous(memory_format=fmt)
+        x = _example(c, shape, device, b)
         y = torch.randint(0, num_classes, (b,), device=device)
         # training holds a second input batch (the prefetched next one, or synthetic data's
         # validation batch): without it a checkpointed bf16 run at 1,208 OOMed in its first steps
