@@ -5,8 +5,9 @@
     python benchmarks/bare_vs_train.py --preset gpu --matrix --gpus 0,1   # `make bench`
     python benchmarks/bare_vs_train.py --preset gpu --rows amp+cl+compile,bf16+cl+graphs@384
 
-A row is `precision[+cl][+compile[:mode]][+graphs][@batch]`: channels_last, torch.compile (and
-its mode), CUDA graphs (torch.cuda.make_graphed_callables), the batch. `--matrix` is fp32, tf32,
+A row is `precision[+cl][+compile[:mode]][+opt:KEY]...[+graphs][@batch]`: channels_last,
+torch.compile (and its mode, and inductor options set true, e.g. `+opt:conv_1x1_as_mm`), CUDA
+graphs (torch.cuda.make_graphed_callables), the batch. `--matrix` is fp32, tf32,
 amp, bf16 x channels_last off/on x compile off/on. Each side of a row is a fresh process on the
 same GPU (rows spread over `--gpus`); warm-up excluded, the GPU synchronised at the timing
 boundaries; each side times `--repeats` windows of `steps` steps and reports their median
@@ -40,7 +41,8 @@ def parse_row(spec: str, batch: int) -> dict:
     head, _, b = spec.partition("@")
     prec, *flags = head.split("+")
     row = {"spec": spec, "precision": prec, "channels_last": "cl" in flags, "compile": None,
-           "graphs": "graphs" in flags, "batch": int(b) if b else batch}
+           "graphs": "graphs" in flags, "batch": int(b) if b else batch,
+           "options": {f[4:]: True for f in flags if f.startswith("opt:")}}
     for f in flags:
         if f.startswith("compile"):
             row["compile"] = f.partition(":")[2] or "default"
@@ -87,7 +89,9 @@ def bare(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
     autocast = lambda: torch.autocast(device.type, dtype=dtype or torch.bfloat16,  # noqa: E731
                                       enabled=dtype is not None, cache_enabled=not row["graphs"])
     if row["compile"]:
-        model = torch.compile(model, mode=None if row["compile"] == "default" else row["compile"])
+        from mixprec.models import compile_model
+        model = compile_model(model, None if row["compile"] == "default" else row["compile"],
+                              row.get("options", {}))
     if row["graphs"]:
         with autocast():
             model = torch.cuda.make_graphed_callables(model, (data[0][0],))
@@ -127,6 +131,7 @@ def via_train_py(preset: str, row: dict, steps: int, warmup: int, repeats: int,
                 f"trainer.perf_warmup_steps={warmup}", f"hydra.run.dir={d}"]
         if row["compile"] and row["compile"] != "default":
             args.append(f"model.compile_mode={row['compile']}")
+        args += [f"+model.compile_options.{k}=true" for k in row.get("options", {})]
         proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env,
                               timeout=900)
         if proc.returncode:
@@ -156,6 +161,8 @@ def measure(preset: str, row: dict, p: dict, gpu: str | None) -> dict:
     out = dict(row, gpu=gpu)
     try:
         b = in_subprocess(preset, row, p["steps"], p["warmup"], p["repeats"], env)
+        if p.get("bare_only"):
+            return dict(out, bare=b, bare_samples_per_s=b["samples_per_s"])
         t = via_train_py(preset, row, p["steps"], p["warmup"], p["repeats"], env)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         return dict(out, error=str(e)[-1500:])
@@ -172,6 +179,10 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['spec']} | error: {r['error'].splitlines()[-1][:80]} | | | | |")
+            continue
+        if "train" not in r:  # --bare-only
+            lines.append(f"| {r['spec']} | {r['bare_samples_per_s']:,.0f} | - | - | "
+                         f"{f(r['bare']['peak_mem_gib'], '.2f')} / - | - |")
             continue
         lines.append(f"| {r['spec']} | {r['bare_samples_per_s']:,.0f} | "
                      f"{r['train_samples_per_s']:,.0f} | {r['ratio']:.3f} | "
@@ -190,11 +201,14 @@ def main() -> None:
     ap.add_argument("--compile", choices=["both", "off", "on"], default="both",
                     help="with --matrix: only the rows without/with compile")
     ap.add_argument("--rows", help="comma list of row specs (see the module docstring)")
+    ap.add_argument("--bare-only", action="store_true",
+                    help="time only the bare loop (to compare switches quickly)")
     ap.add_argument("--gpus", help="GPU ids to spread rows over: 0,1 or all (default: one)")
     ap.add_argument("--out", type=Path, help="JSON results file")
     a = ap.parse_args()
     p = dict(PRESETS[a.preset])
     p["repeats"] = a.repeats or p["repeats"]
+    p["bare_only"] = a.bare_only
     precisions = a.precisions.split(",") if a.precisions else p["precisions"]
     if a.rows:
         specs = a.rows.split(",")
@@ -231,8 +245,9 @@ def main() -> None:
             with lock:
                 done[i] = res
                 msg = res.get("error", "").splitlines()[-1:] or [
-                    f"bare {res['bare_samples_per_s']:,.1f}  train.py "
-                    f"{res['train_samples_per_s']:,.1f}  ratio {res['ratio']:.3f}"]
+                    f"bare {res['bare_samples_per_s']:,.1f}" + (
+                        f"  train.py {res['train_samples_per_s']:,.1f}  ratio {res['ratio']:.3f}"
+                        if "train" in res else "")]
                 print(f"  [{r['spec']} on gpu {g}] {msg[0]}", flush=True)
                 out.write_text(json.dumps({"meta": meta, "rows": [done[k] for k in sorted(done)]},
                                           indent=2))

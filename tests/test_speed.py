@@ -33,6 +33,22 @@ def test_compile_trains_a_tiny_model_like_eager(cfg_factory, tmp_path):
     assert losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
 
 
+def test_compile_options_sit_on_top_of_the_mode_and_bad_keys_are_named(cfg_factory, tmp_path,
+                                                                       monkeypatch):
+    seen = {}
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: seen.update(kw) or real(m, **kw))
+    c = cfg_factory("model=digits_mlp", "trainer.max_steps=3", "+model.kwargs.width=16",
+                    "model.compile=true", "model.compile_mode=reduce-overhead",
+                    "+model.compile_options.conv_1x1_as_mm=true", f"run_dir={tmp_path / 'o'}")
+    assert run.run(c)["status"] == "completed"
+    assert seen == {"options": {"triton.cudagraphs": True, "conv_1x1_as_mm": True}}
+    with pytest.raises(ConfigError, match="model.compile_options: Unexpected .*no_such_option"):
+        models.compile_model(torch.nn.Linear(2, 2), None, {"no_such_option": True})
+    with pytest.raises(ConfigError, match="model.compile_options.*unless model.compile=true"):
+        validate(cfg_factory("+model.compile_options.conv_1x1_as_mm=true"))
+
+
 def test_counting_flops_does_not_compile_the_model_for_another_shape():
     """The MFU FLOP count must not run the compiled model. On the H200 (torch 2.11) a compiled
     forward first called under FlopCounterMode was never compiled afterwards: train.py with

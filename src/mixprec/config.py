@@ -142,6 +142,7 @@ class ModelConfig:
     channels_last: bool = False  # NHWC memory format (faster convs on tensor cores)
     compile: bool = False  # torch.compile the model
     compile_mode: Optional[str] = None  # torch.compile mode: null, reduce-overhead, max-autotune
+    compile_options: Dict[str, Any] = field(default_factory=dict)  # inductor options on top of the mode
     cuda_graphs: bool = False  # capture forward+backward once, replay it (static shapes, GPU only)
     grad_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
     kwargs: Dict[str, Any] = field(default_factory=dict)  # extra timm.create_model arguments
@@ -150,6 +151,8 @@ class ModelConfig:
         _check(bool(self.name), "model.name", self.name, "a timm model name")
         modes = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
         _one_of("model.compile_mode", self.compile_mode, modes)
+        _check(self.compile or not self.compile_options, "model.compile_options",
+               dict(self.compile_options), "{} unless model.compile=true")
         _check(not (self.cuda_graphs and (self.compile or self.grad_checkpointing)),
                "model.cuda_graphs", self.cuda_graphs, "false with model.compile or "
                "model.grad_checkpointing (compile_mode=reduce-overhead graphs a compiled model)")

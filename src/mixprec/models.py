@@ -92,11 +92,26 @@ def build(mcfg: ModelConfig, num_classes: int, input_shape: tuple[int, int, int]
         log.info("model.channels_last: weights (and every input batch) in NHWC")
     if mcfg.compile:
         t0 = time.perf_counter()
-        model = torch.compile(model, mode=mcfg.compile_mode)
-        log.info("model.compile: torch.compile(mode=%s) wrapped in %.1fs; the first steps "
-                 "compile (excluded from samples_per_s by trainer.perf_warmup_steps)",
-                 mcfg.compile_mode, time.perf_counter() - t0)
+        model = compile_model(model, mcfg.compile_mode, dict(mcfg.compile_options))
+        log.info("model.compile: torch.compile(mode=%s, options=%s) wrapped in %.1fs; the first "
+                 "steps compile (excluded from samples_per_s by trainer.perf_warmup_steps)",
+                 mcfg.compile_mode, dict(mcfg.compile_options), time.perf_counter() - t0)
     return model
+
+
+def compile_model(model: nn.Module, mode: str | None, options: dict) -> nn.Module:
+    """torch.compile with a mode and, on top of it, inductor options (model.compile_options, e.g.
+    conv_1x1_as_mm). torch.compile takes a mode or options, not both, so the mode's own options
+    (torch._inductor.list_mode_options) are merged under the user's."""
+    if not options:
+        return torch.compile(model, mode=mode)
+    from torch import _inductor
+    merged = {**_inductor.list_mode_options(mode or "default"), **options}
+    try:
+        return torch.compile(model, options=merged)
+    except RuntimeError as e:  # torch names every known option; keep the message short
+        raise ConfigError(f"model.compile_options: {str(e).split(', known options')[0]} "
+                          "(allowed: the keys of torch._inductor.config)") from None
 
 
 def capture_graphs(model: nn.Module, example: torch.Tensor, amp) -> nn.Module:
