@@ -2,6 +2,7 @@
 moves), static scales stay put, bf16 tracks fp32, clipping acts on true gradients."""
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -220,7 +221,9 @@ class OverflowOnce(InfGrad):
         return super().forward(x)
 
 
-def test_the_loop_counts_skipped_steps_and_holds_the_scheduler(tmp_path):
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_loop_counts_skipped_steps_and_holds_the_scheduler(tmp_path, fused):
+    """Fused: the skip flag stays on the device and the loop settles each step one step late."""
     from torch.utils.data import TensorDataset
 
     from mixprec.data import Data
@@ -229,10 +232,14 @@ def test_the_loop_counts_skipped_steps_and_holds_the_scheduler(tmp_path):
     from mixprec.safety import DivergenceGuard
     from mixprec.tracking import Tracker
 
-    amp = fp16(init_scale=1024.0)
+    def parts(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
+        return fp16(init_scale=1024.0), opt, optim.build_scheduler(
+            SchedulerConfig(name="cosine"), opt, total_steps=4)
+
     model = nn.Sequential(mlp(), OverflowOnce(2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sch = optim.build_scheduler(SchedulerConfig(name="cosine"), opt, total_steps=4)
+    ref_model = copy.deepcopy(model)
+    amp, opt, sch = parts(model)
     (x, y), = batches(1, 64)
     ds = TensorDataset(x, y)
     common = dict(device=CPU, fmt=torch.contiguous_format, seed=0, rank=0, world=1)
@@ -255,6 +262,20 @@ def test_the_loop_counts_skipped_steps_and_holds_the_scheduler(tmp_path):
     train_rows = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
     assert train_rows[0]["amp/skipped_steps"] == 2 and train_rows[0]["amp/loss_scale"] == 256.0
+    # the same batches through train_step, settled at once: the late settling changes nothing
+    ref_amp, ref_opt, ref_sch = parts(ref_model)
+    watch, steps = precision.StepWatch(ref_opt), 0
+    data.train.set_epoch(0)
+    for xb, yb in data.train:
+        out = loop.train_step(ref_model, [(xb, yb)], nn.functional.cross_entropy, ref_opt,
+                              ref_amp, watch)
+        if out.stepped:
+            ref_sch.step()
+            steps += 1
+        if steps == 4:
+            break
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
 def test_mfu_flop_count_matches_a_hand_count():

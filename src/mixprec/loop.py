@@ -2,6 +2,11 @@
 
 It reads no config: run.py hands it objects and numbers. The whole precision story is in
 train_step(): autocast, scale, backward, unscale, clip, step (maybe skipped), update.
+
+Whether GradScaler skipped a step is known on the GPU only. train() settles each step (counters,
+scheduler, logs) one step late, once the next step's forward and backward are queued, so that
+reading the flag never leaves the GPU idle; steps that may end the run, write a checkpoint or
+act on a stop signal are settled at once, before the next forward touches the model.
 """
 from __future__ import annotations
 
@@ -53,13 +58,17 @@ class TrainState:
 class StepResult:
     loss: torch.Tensor  # mean loss over the micro-batches (device tensor: no sync)
     grad_norm: torch.Tensor | None  # norm of the true (unscaled) gradients, when computed
-    stepped: bool  # False when GradScaler found inf/nan gradients and skipped the step
+    ran: Callable[[], bool]  # asks the GPU whether the step was taken (StepWatch.pop)
+
+    @property
+    def stepped(self) -> bool:  # False when GradScaler found inf/nan gradients and skipped it
+        return self.ran()
 
 
 def train_step(model: nn.Module, micro_batches: list, loss_fn: Callable, optimizer,
                amp: Precision, watch: StepWatch, clip_grad_norm: float | None = None,
-               want_grad_norm: bool = False, no_sync: Callable = lambda model: nullcontext()
-               ) -> StepResult:
+               want_grad_norm: bool = False, no_sync: Callable = lambda model: nullcontext(),
+               before_step: Callable[[], None] = lambda: None) -> StepResult:
     accum, total = len(micro_batches), 0.0
     for i, (x, y) in enumerate(micro_batches):
         # DDP: all-reduce gradients on the last micro-batch only (forward must be inside no_sync)
@@ -68,6 +77,7 @@ def train_step(model: nn.Module, micro_batches: list, loss_fn: Callable, optimiz
                 loss = loss_fn(model(x), y) / accum  # mean over the effective batch
             amp.scaler.scale(loss).backward()  # scale up so small fp16 grads do not flush to 0
         total = total + loss.detach()
+    before_step()  # the loop settles the previous step here, while the GPU runs this backward
     amp.scaler.unscale_(optimizer)  # true gradients from here on: once per optimizer step
     grad_norm = None
     if clip_grad_norm is not None or want_grad_norm:  # clip the true gradients / measure them
@@ -110,66 +120,85 @@ def train(model: nn.Module, data, loss_fn: Callable, optimizer, scheduler, amp: 
     total = cfg.max_steps or steps_per_epoch * cfg.epochs
     bar = tqdm(total=total, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
                disable=not show_progress, leave=False)
-    window_loss, window_steps = torch.zeros((), device=meter.device), 0
+    window = {"loss": torch.zeros((), device=meter.device), "steps": 0, "last": None}
     lr = lambda: optimizer.param_groups[-1]["lr"]  # noqa: E731
     check = lambda out: guard.check(state.step, float(out.loss), amp.loss_scale(), lr())  # noqa: E731
+
+    def settle(out: StepResult, late: bool = False) -> None:
+        """One attempted step's bookkeeping. `late`: the next step's forward already ran, so
+        no checkpoint and no stop here (train() settles such steps at once instead)."""
+        guard.update(out.loss)
+        window["last"] = out
+        state.batch_in_epoch += cfg.accum
+        state.attempts += 1
+        window["loss"] += out.loss
+        window["steps"] += 1
+        meter.count(cfg.samples_per_step)
+        if state.attempts % cfg.log_every == 0:
+            check(out)  # divergence: one sync per log_every attempts, skipped ones included
+        if out.stepped:
+            scheduler.step()
+            state.step += 1
+            bar.update(1)
+            meter.maybe_end_warmup(state.step)
+        else:  # overflow: the scaler backed off; weights and LR stay put
+            state.skipped_steps += 1
+        if out.stepped and state.step % cfg.log_every == 0:
+            mean_loss = reduce(window["loss"] / window["steps"]) / cfg.world  # mean over ranks
+            row = _log_row(state, optimizer, amp, out, mean_loss, meter, memory)
+            tracker.log(row, state.step)
+            bar.set_postfix(loss=f"{row['train/loss']:.4f}", scale=row["amp/loss_scale"],
+                            sps=f"{row['perf/samples_per_s']:.0f}")
+            log.info(_fmt(row, state.step, total))
+            window.update(loss=torch.zeros((), device=meter.device), steps=0)
+        if late:
+            return
+        signum = _stop_signal(stop, cfg, state, reduce, meter.device)
+        if signum:
+            save_if_healthy(save, state, guard, model)
+            raise Preempted(signum)
+        if out.stepped and cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
+            save_if_healthy(save, state, guard, model)
+
     meter.start(state.step)
-    out, first = None, time.perf_counter()
+    first, pending = time.perf_counter(), None
     for epoch in range(state.epoch, cfg.epochs):
         data.train.set_epoch(epoch, skip=state.batch_in_epoch)
         batches = iter(data.train)
-        while not _done(state, cfg):
+        while True:
+            if pending is not None and _settle_now(state, cfg, stop):
+                settle(pending)
+                pending = None
+            if _done(state, cfg):
+                break
             micro = list(itertools.islice(batches, cfg.accum))
             if len(micro) < cfg.accum:  # epoch over (a ragged tail of < accum micro-batches is dropped)
                 break
-            want_norm = (state.step + 1) % cfg.log_every == 0
-            out = train_step(model, micro, loss_fn, optimizer, amp, watch, cfg.clip_grad_norm,
-                             want_norm, no_sync)
+            # the grad norm is logged with every log_every-th step (assuming the pending one ran)
+            want_norm = (state.step + 1 + (pending is not None)) % cfg.log_every == 0
+            late = (lambda p=pending: settle(p, late=True)) if pending is not None else (
+                lambda: None)
+            pending = train_step(model, micro, loss_fn, optimizer, amp, watch,
+                                 cfg.clip_grad_norm, want_norm, no_sync, late)
             if first is not None:  # one sync: how long compile / autotuning / capture took
-                float(out.loss)
+                float(pending.loss)
                 log.info("first step took %.1fs (compile, cuDNN autotuning and graph capture "
                          "happen here; warm-up keeps them out of samples/s)",
                          time.perf_counter() - first)
                 first = None
-            guard.update(out.loss)
-            state.batch_in_epoch += cfg.accum
-            state.attempts += 1
-            window_loss += out.loss
-            window_steps += 1
-            meter.count(cfg.samples_per_step)
-            if state.attempts % cfg.log_every == 0:
-                check(out)  # divergence: one sync per log_every attempts, skipped ones included
-            if out.stepped:
-                scheduler.step()
-                state.step += 1
-                bar.update(1)
-                meter.maybe_end_warmup(state.step)
-            else:  # overflow: the scaler backed off; weights and LR stay put
-                state.skipped_steps += 1
-            if out.stepped and state.step % cfg.log_every == 0:
-                mean_loss = reduce(window_loss / window_steps) / cfg.world  # averaged over ranks
-                row = _log_row(state, optimizer, amp, out, mean_loss, meter, memory)
-                tracker.log(row, state.step)
-                bar.set_postfix(loss=f"{row['train/loss']:.4f}", scale=row["amp/loss_scale"],
-                                sps=f"{row['perf/samples_per_s']:.0f}")
-                log.info(_fmt(row, state.step, total))
-                window_loss, window_steps = torch.zeros((), device=meter.device), 0
-            signum = _stop_signal(stop, cfg, state, reduce, meter.device)
-            if signum:
-                save_if_healthy(save, state, guard, model)
-                raise Preempted(signum)
-            if out.stepped and cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
-                save_if_healthy(save, state, guard, model)
+        if pending is not None:
+            settle(pending)
+            pending = None
         _evaluate(model, data, loss_fn, amp, tracker, state, meter, reduce)  # epoch end or the cap
         if _done(state, cfg):
             break
         state.epoch, state.batch_in_epoch = epoch + 1, 0
     bar.close()
     meter.stop()
-    if out is not None:
-        check(out)
-    if window_steps:
-        state.last_loss = float(window_loss / window_steps)
+    if window["last"] is not None:
+        check(window["last"])
+    if window["steps"]:
+        state.last_loss = float(window["loss"] / window["steps"])
     return state
 
 
@@ -191,6 +220,20 @@ def _stop_signal(stop: StopSignals | None, cfg: LoopSettings, state: TrainState,
     if state.attempts % cfg.log_every:
         return 0
     return int(reduce(torch.tensor(stop.received or 0, device=device), "max"))
+
+
+def _settle_now(state: TrainState, cfg: LoopSettings, stop: StopSignals | None) -> bool:
+    """Whether the pending step must be settled before the next forward: if taken, it may be
+    the last one, get a checkpoint, or be where a stop signal is acted on (the next forward
+    would already have moved BatchNorm's running statistics)."""
+    nxt = state.step + 1  # the pending step's number, if it was taken
+    if cfg.max_steps is not None and nxt >= cfg.max_steps:
+        return True
+    if cfg.ckpt_every and nxt % cfg.ckpt_every == 0:
+        return True
+    if stop is None:
+        return False
+    return bool(stop.received) if cfg.world == 1 else (state.attempts + 1) % cfg.log_every == 0
 
 
 def _done(state: TrainState, cfg: LoopSettings) -> bool:

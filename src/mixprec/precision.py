@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager
+from typing import Callable
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +98,9 @@ class StepWatch:
     decide whether to call step() at all, so the post-step hook firing means it ran, at no extra
     cost. Fused optimizers (`fused=True`, the default on CUDA) are different: GradScaler calls
     their step() every time and hands them `found_inf`, and the kernel skips the update on the
-    GPU without a sync. For those we read that flag: the same one sync per fp16 step.
+    GPU without a sync. For those the flag is copied to the host asynchronously behind an event:
+    pop() returns a callable that answers when asked, waiting only for that step's kernels (the
+    loop asks while the GPU already runs the next step's forward and backward).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -111,7 +114,14 @@ class StepWatch:
     def _hook(self, *_args) -> None:
         self._ran = True
 
-    def pop(self) -> bool:
+    def pop(self) -> Callable[[], bool]:
         ran, found_inf = self._ran, self._found_inf
         self._ran, self._found_inf = False, None
-        return ran and not (found_inf is not None and bool(found_inf.item()))
+        if not ran or found_inf is None:
+            return lambda: ran
+        if found_inf.device.type != "cuda":
+            return lambda: not bool(found_inf.item())
+        flag = found_inf.to("cpu", non_blocking=True)  # pinned: the copy queues behind the step
+        copied = torch.cuda.Event()
+        copied.record()
+        return lambda: not (copied.synchronize() or bool(flag.item()))
