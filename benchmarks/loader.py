@@ -103,7 +103,8 @@ def train_rate(extra: list[str], steps: int, warmup: int, timeout: float) -> dic
             p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:  # keep what it logged: where did the time go?
             log = (Path(d) / "train.log").read_text() if (Path(d) / "train.log").exists() else ""
-            return {"args": extra, "error": f"timed out after {timeout:.0f}s", "log": log[-3000:]}
+            return {"args": extra, "error": f"timed out after {timeout:.0f}s",
+                    "log_head": log[:2500], "log_tail": log[-2500:]}
         if p.returncode:
             return {"args": extra, "error": p.stderr[-2000:]}
         s = json.loads((Path(d) / "summary.json").read_text())
