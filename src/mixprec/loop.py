@@ -124,9 +124,12 @@ def train(model: nn.Module, data, loss_fn: Callable, optimizer, scheduler, amp: 
     lr = lambda: optimizer.param_groups[-1]["lr"]  # noqa: E731
     check = lambda out: guard.check(state.step, float(out.loss), amp.loss_scale(), lr())  # noqa: E731
 
-    def settle(out: StepResult, late: bool = False) -> None:
+    def settle(out: StepResult | None, late: bool = False) -> None:
         """One attempted step's bookkeeping. `late`: the next step's forward already ran, so
         no checkpoint and no stop here (train() settles such steps at once instead)."""
+        if out is None:
+            return
+        stepped = out.stepped  # the one wait for the GPU's answer
         guard.update(out.loss)
         window["last"] = out
         state.batch_in_epoch += cfg.accum
@@ -136,14 +139,14 @@ def train(model: nn.Module, data, loss_fn: Callable, optimizer, scheduler, amp: 
         meter.count(cfg.samples_per_step)
         if state.attempts % cfg.log_every == 0:
             check(out)  # divergence: one sync per log_every attempts, skipped ones included
-        if out.stepped:
+        if stepped:
             scheduler.step()
             state.step += 1
             bar.update(1)
             meter.maybe_end_warmup(state.step)
         else:  # overflow: the scaler backed off; weights and LR stay put
             state.skipped_steps += 1
-        if out.stepped and state.step % cfg.log_every == 0:
+        if stepped and state.step % cfg.log_every == 0:
             mean_loss = reduce(window["loss"] / window["steps"]) / cfg.world  # mean over ranks
             row = _log_row(state, optimizer, amp, out, mean_loss, meter, memory)
             tracker.log(row, state.step)
@@ -157,7 +160,7 @@ def train(model: nn.Module, data, loss_fn: Callable, optimizer, scheduler, amp: 
         if signum:
             save_if_healthy(save, state, guard, model)
             raise Preempted(signum)
-        if out.stepped and cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
+        if stepped and cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
             save_if_healthy(save, state, guard, model)
 
     meter.start(state.step)
@@ -166,7 +169,7 @@ def train(model: nn.Module, data, loss_fn: Callable, optimizer, scheduler, amp: 
         data.train.set_epoch(epoch, skip=state.batch_in_epoch)
         batches = iter(data.train)
         while True:
-            if pending is not None and _settle_now(state, cfg, stop):
+            if _settle_now(state, cfg, stop):
                 settle(pending)
                 pending = None
             if _done(state, cfg):
@@ -176,19 +179,17 @@ def train(model: nn.Module, data, loss_fn: Callable, optimizer, scheduler, amp: 
                 break
             # the grad norm is logged with every log_every-th step (assuming the pending one ran)
             want_norm = (state.step + 1 + (pending is not None)) % cfg.log_every == 0
-            late = (lambda p=pending: settle(p, late=True)) if pending is not None else (
-                lambda: None)
             pending = train_step(model, micro, loss_fn, optimizer, amp, watch,
-                                 cfg.clip_grad_norm, want_norm, no_sync, late)
+                                 cfg.clip_grad_norm, want_norm, no_sync,
+                                 before_step=lambda p=pending: settle(p, late=True))
             if first is not None:  # one sync: how long compile / autotuning / capture took
                 float(pending.loss)
                 log.info("first step took %.1fs (compile, cuDNN autotuning and graph capture "
                          "happen here; warm-up keeps them out of samples/s)",
                          time.perf_counter() - first)
                 first = None
-        if pending is not None:
-            settle(pending)
-            pending = None
+        settle(pending)
+        pending = None
         _evaluate(model, data, loss_fn, amp, tracker, state, meter, reduce)  # epoch end or the cap
         if _done(state, cfg):
             break

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager
-from typing import Callable
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.amp import GradScaler
