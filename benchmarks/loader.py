@@ -8,7 +8,7 @@ Each row reports its overall rate and the median of its 10-batch (10-step) windo
 folder restarts its epoch every 39 batches (and train.py evaluates then), which a real dataset's
 5,000-batch epochs do not; the median leaves those restarts out.
 
-Rows: (1) the loader alone, each `data.decode` path (workers: PIL decode + RandomResizedCrop in
+Rows: (1) the loader alone, each `data.decode` path (workers: decode + RandomResizedCrop in
 DataLoader workers; device: workers read bytes, nvJPEG decodes on the GPU), images/s delivered
 on the GPU as normalised float batches; (2) train.py on synthetic data (the GPU's rate, no input
 pipeline); (3) train.py end to end on the JPEG folder with each decode path. The JPEGs sit in

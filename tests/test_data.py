@@ -43,6 +43,25 @@ def test_imagenet_style_folder_trains_and_evaluates(cfg_factory, tmp_path):
     assert any("val/acc1" in r for r in rows)
 
 
+def test_read_image_gives_pil_pixels_for_every_format(tmp_path):
+    """torchvision's decoders where they read the format, PIL where not (BMP, TIFF): the same
+    RGB pixels either way; 16-bit PNGs are scaled to 8 bits (PIL would clip them)."""
+    import torch
+    from torchvision.transforms.functional import pil_to_tensor
+
+    from mixprec.data.images import read_image
+    rgb = Image.fromarray(np.random.default_rng(0).integers(0, 255, (20, 30, 3), dtype=np.uint8))
+    files = {"a.bmp": rgb, "b.tif": rgb, "c.png": rgb.convert("RGBA"), "d.jpg": rgb.convert("L"),
+             "e.jpg": rgb.convert("CMYK"), "f.webp": rgb}
+    for name, im in files.items():
+        im.save(tmp_path / name)
+        x = read_image(str(tmp_path / name))
+        assert x.dtype == torch.uint8 and x.shape == (3, 20, 30), name
+        assert torch.equal(x, pil_to_tensor(Image.open(tmp_path / name).convert("RGB"))), name
+    Image.fromarray(np.full((4, 6), 65535, dtype=np.uint16)).save(tmp_path / "g.png")
+    assert read_image(str(tmp_path / "g.png")).eq(255).all()
+
+
 @pytest.mark.parametrize("damage,needle", [
     (lambda r: None, "does not exist"),
     (lambda r: [p.unlink() for p in (r / "train" / "dog").iterdir()], "empty class folder"),
