@@ -239,7 +239,7 @@ def test_the_loop_counts_skipped_steps_and_holds_the_scheduler(tmp_path, fused, 
         amp = precision.build(PrecisionConfig(name="amp", autocast="float16", tf32=True),
                               ScalerConfig(init_scale=1024.0), device)
         return amp, opt, optim.build_scheduler(
-            SchedulerConfig(name="cosine"), opt, total_steps=4)
+            SchedulerConfig(name="cosine"), opt, total_steps=8)
 
     device = torch.device(dev)
     model = nn.Sequential(mlp(), OverflowOnce(2)).to(device)
@@ -249,7 +249,8 @@ def test_the_loop_counts_skipped_steps_and_holds_the_scheduler(tmp_path, fused, 
     ds = TensorDataset(x, y)
     common = dict(device=device, fmt=torch.contiguous_format, seed=0, rank=0, world=1)
     data = Data(EpochLoader(ds, 8, **common), EpochLoader(ds, 8, shuffle=False, **common), 4, (16,))
-    settings = loop.LoopSettings(epochs=10, max_steps=4, accum=1, log_every=1, clip_grad_norm=None,
+    # log_every 4: attempts 1-4 (two of them skipped) and 7 are settled late, as the next one runs
+    settings = loop.LoopSettings(epochs=10, max_steps=8, accum=1, log_every=4, clip_grad_norm=None,
                                  samples_per_step=8)
     tracker = Tracker(tmp_path, None, {})
     with warnings.catch_warnings():
@@ -260,25 +261,26 @@ def test_the_loop_counts_skipped_steps_and_holds_the_scheduler(tmp_path, fused, 
                            guard=DivergenceGuard(device, 3, 1.0),
                            show_progress=False)
     tracker.close("completed")
-    assert (state.step, state.skipped_steps, state.attempts) == (4, 2, 6)
-    assert sch.last_epoch == 4  # stepped only after the 4 real optimizer steps
+    assert (state.step, state.skipped_steps, state.attempts) == (8, 2, 10)
+    assert sch.last_epoch == 8  # stepped only after the 8 real optimizer steps
     assert amp.loss_scale() == 256.0  # halved twice
     rows = [__import__("json").loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "train/loss" in r]
-    assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in train_rows] == [4, 8]
     assert train_rows[0]["amp/skipped_steps"] == 2 and train_rows[0]["amp/loss_scale"] == 256.0
+    assert all(r["train/grad_norm"] is not None for r in train_rows)
     # the same batches through train_step, settled at once: the late settling changes nothing
     ref_amp, ref_opt, ref_sch = parts(ref_model)
     watch, steps = precision.StepWatch(ref_opt), 0
-    data.train.set_epoch(0)
-    for xb, yb in data.train:
-        out = loop.train_step(ref_model, [(xb, yb)], nn.functional.cross_entropy, ref_opt,
-                              ref_amp, watch)
-        if out.stepped:
-            ref_sch.step()
-            steps += 1
-        if steps == 4:
-            break
+    for epoch in range(2):
+        data.train.set_epoch(epoch)
+        for xb, yb in data.train:
+            if steps < 8:
+                out = loop.train_step(ref_model, [(xb, yb)], nn.functional.cross_entropy,
+                                      ref_opt, ref_amp, watch)
+                steps += out.stepped
+                if out.stepped:
+                    ref_sch.step()
     for p, q in zip(model.parameters(), ref_model.parameters()):  # a wrong LR moves them by %
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 

@@ -177,8 +177,8 @@ def train(model: nn.Module, data, loss_fn: Callable, optimizer, scheduler, amp: 
             micro = list(itertools.islice(batches, cfg.accum))
             if len(micro) < cfg.accum:  # epoch over (a ragged tail of < accum micro-batches is dropped)
                 break
-            # the grad norm is logged with every log_every-th step (assuming the pending one ran)
-            want_norm = (state.step + 1 + (pending is not None)) % cfg.log_every == 0
+            # the grad norm goes with every logged step; no step is left pending before one
+            want_norm = pending is None and (state.step + 1) % cfg.log_every == 0
             pending = train_step(model, micro, loss_fn, optimizer, amp, watch,
                                  cfg.clip_grad_norm, want_norm, no_sync,
                                  before_step=lambda p=pending: settle(p, late=True))
@@ -226,11 +226,14 @@ def _stop_signal(stop: StopSignals | None, cfg: LoopSettings, state: TrainState,
 def _settle_now(state: TrainState, cfg: LoopSettings, stop: StopSignals | None) -> bool:
     """Whether the pending step must be settled before the next forward: if taken, it may be
     the last one, get a checkpoint, or be where a stop signal is acted on (the next forward
-    would already have moved BatchNorm's running statistics)."""
+    would already have moved BatchNorm's running statistics); and whether the next step may be
+    a logged one, which computes the grad norm (its number depends on the pending step)."""
     nxt = state.step + 1  # the pending step's number, if it was taken
     if cfg.max_steps is not None and nxt >= cfg.max_steps:
         return True
     if cfg.ckpt_every and nxt % cfg.ckpt_every == 0:
+        return True
+    if nxt % cfg.log_every == 0 or (nxt + 1) % cfg.log_every == 0:
         return True
     if stop is None:
         return False
