@@ -91,7 +91,7 @@ def bare(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
     if row["compile"]:
         from mixprec.models import compile_model
         model = compile_model(model, None if row["compile"] == "default" else row["compile"],
-                              row.get("options", {}))
+                              row["options"])
     if row["graphs"]:
         with autocast():
             model = torch.cuda.make_graphed_callables(model, (data[0][0],))
@@ -131,7 +131,7 @@ def via_train_py(preset: str, row: dict, steps: int, warmup: int, repeats: int,
                 f"trainer.perf_warmup_steps={warmup}", f"hydra.run.dir={d}"]
         if row["compile"] and row["compile"] != "default":
             args.append(f"model.compile_mode={row['compile']}")
-        args += [f"+model.compile_options.{k}=true" for k in row.get("options", {})]
+        args += [f"+model.compile_options.{k}=true" for k in row["options"]]
         proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env,
                               timeout=900)
         if proc.returncode:

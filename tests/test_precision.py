@@ -15,9 +15,9 @@ from mixprec.config import OptimizerConfig, PrecisionConfig, ScalerConfig, Sched
 CPU = torch.device("cpu")
 
 
-def fp16(**scaler) -> precision.Precision:
+def fp16(device: torch.device = CPU, **scaler) -> precision.Precision:
     return precision.build(PrecisionConfig(name="amp", autocast="float16", tf32=True),
-                           ScalerConfig(**scaler), CPU)
+                           ScalerConfig(**scaler), device)
 
 
 def mlp(seed: int = 0) -> nn.Module:
@@ -236,9 +236,7 @@ def test_the_loop_counts_skipped_steps_and_holds_the_scheduler(tmp_path, fused, 
 
     def parts(model):
         opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
-        amp = precision.build(PrecisionConfig(name="amp", autocast="float16", tf32=True),
-                              ScalerConfig(init_scale=1024.0), device)
-        return amp, opt, optim.build_scheduler(
+        return fp16(device, init_scale=1024.0), opt, optim.build_scheduler(
             SchedulerConfig(name="cosine"), opt, total_steps=8)
 
     device = torch.device(dev)

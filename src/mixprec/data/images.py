@@ -6,11 +6,11 @@ with its path (`data.bad_images=fail`, the default) or is skipped and counted (`
 
 Workers decode with torchvision's decoders (PIL for formats they do not read), crop, resize and
 flip uint8 tensors (transforms.v2) and ship them as uint8 (a quarter of float32's bytes); the
-normalisation runs on the training device, one batch ahead on a side stream (loaders.prefetch). With `data.decode=device`
-the workers only read the JPEG bytes and draw the crop; decoding (nvJPEG on a GPU, through
-torchvision.io.decode_jpeg), crop, resize, flip and normalisation run on the device (images.py:
-DeviceDecode), staged by a background thread a couple of batches ahead — the path for when
-the CPU cores cannot decode as fast as the GPU trains.
+normalisation runs on the training device, one batch ahead on a side stream (loaders.prefetch).
+With `data.decode=device` the workers only read the JPEG bytes and draw the crop; decoding
+(nvJPEG on a GPU, through torchvision.io.decode_jpeg), crop, resize, flip and normalisation run
+on the device (images.py: DeviceDecode), staged by a background thread a couple of batches
+ahead — the path for when the CPU cores cannot decode as fast as the GPU trains.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class CheckedImageFolder(datasets.ImageFolder):
     def __getitem__(self, index):
         try:
             return super().__getitem__(index)
-        except (OSError, ValueError, RuntimeError) as e:  # PIL's UnidentifiedImageError: OSError
+        except (OSError, ValueError) as e:  # read_image falls back to PIL: UnidentifiedImageError
             path = self.samples[index][0]
             if not self.skip_bad:
                 raise ConfigError(f"unreadable image {path} ({type(e).__name__}: {e}); fix or "
