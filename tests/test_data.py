@@ -184,3 +184,26 @@ def test_persistent_workers_serve_the_same_batches(tmp_path):
             got.append([y.tolist() for _, y in loader])
         assert got[0] == got[1] and len(got[0]) == 5 - skip
     assert kept._loader is not None and fresh._loader is None
+
+
+def test_a_run_stops_its_persistent_workers_before_it_returns(cfg_factory, tmp_path, monkeypatch):
+    """A run that ends mid-epoch leaves persistent workers with batches queued. run() stops them
+    before returning (Data.close): left to interpreter exit, torch 2.11 with pinned memory joins
+    each for 5 s (pytorch#81794; 80 s for 16 workers on the H200 host)."""
+    import multiprocessing as mp
+
+    from mixprec import loop
+    root = make_folder(tmp_path / "imgs", n=12)
+    before, seen, train = set(mp.active_children()), [], loop.train
+
+    def train_and_look(*a, **kw):  # the workers exist while the loop runs
+        out = train(*a, **kw)
+        seen.extend(w for w in mp.active_children() if w not in before)
+        return out
+
+    monkeypatch.setattr(loop, "train", train_and_look)
+    summary = run.run(cfg_factory("data=imagenet", f"data.root={root}", *TINY, "batch=2",
+                                  "hardware.num_workers=2", "hardware.persistent_workers=true"))
+    assert summary["steps"] == 2  # of 12 micro-batches: the epoch was left part-way
+    assert len(seen) >= 2  # the two persistent train workers were running
+    assert not any(w.is_alive() for w in seen)

@@ -148,6 +148,7 @@ def _run(c: TrainConfig, cfg: DictConfig, hw, dd: distributed.Dist) -> dict:
                "model.grad_checkpointing=true, or batch=auto")
         log.error(oom)
     finally:
+        data.close()  # stop loader workers now, not at interpreter exit (EpochLoader.close)
         summary = _summary(c, status, state, meter, amp, batch, accum, world, device,
                            time.perf_counter() - t0, hw, phases.result, max_batch)
         tracker.summary(summary)

@@ -7,7 +7,7 @@ yielding (inputs, targets) already on the training device in the model's memory 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -19,14 +19,20 @@ class TrainLoader(Protocol):
     def __len__(self) -> int: ...
     def set_epoch(self, epoch: int, skip: int = 0) -> None: ...
     def __iter__(self): ...
+    def close(self) -> None: ...
 
 
 @dataclass
 class Data:
     train: TrainLoader
-    val: Iterable[tuple[torch.Tensor, torch.Tensor]]
+    val: TrainLoader  # iterated whole, in order (no set_epoch)
     num_classes: int
     input_shape: tuple[int, int, int]  # C, H, W
+
+    def close(self) -> None:
+        """Stop the loaders' worker processes (see EpochLoader.close)."""
+        self.train.close()
+        self.val.close()
 
 
 def spec(dcfg: DataConfig) -> tuple[int, tuple[int, int, int]]:

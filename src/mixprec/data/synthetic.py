@@ -25,6 +25,9 @@ class SyntheticLoader:
         for _ in range(self.steps - self.skip):
             yield self.x, self.y
 
+    def close(self) -> None:  # no workers to stop
+        pass
+
 
 def build(dcfg: DataConfig, batch: int, device, fmt, seed: int):
     from . import Data
