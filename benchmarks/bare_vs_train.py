@@ -159,11 +159,15 @@ def in_subprocess(preset, row, steps, warmup, repeats, env=None) -> dict:
 def measure(preset: str, row: dict, p: dict, gpu: str | None) -> dict:
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {})}
     out = dict(row, gpu=gpu)
-    try:
+    try:  # wall_s: each side's whole process, compile included
+        t0 = time.perf_counter()
         b = in_subprocess(preset, row, p["steps"], p["warmup"], p["repeats"], env)
+        b["wall_s"] = round(time.perf_counter() - t0, 1)
         if p.get("bare_only"):
             return dict(out, bare=b, bare_samples_per_s=b["samples_per_s"])
+        t0 = time.perf_counter()
         t = via_train_py(preset, row, p["steps"], p["warmup"], p["repeats"], env)
+        t["wall_s"] = round(time.perf_counter() - t0, 1)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         return dict(out, error=str(e)[-1500:])
     mfu = t["mfu"] * b["samples_per_s"] / t["steady_samples_per_s"] if t["mfu"] else None
