@@ -97,6 +97,58 @@ def test_overflow_halves_the_scale_and_skips_the_step(fused):
     assert not all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
 
 
+def bn_net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+
+def bn_steps(guarded: bool, blow_up: int | None, dev: str = "cpu", mode: str | None = None):
+    """Three fp16 steps of a conv + BatchNorm net (compiled with `mode` if given); the input of
+    step `blow_up` is scaled by 1e5, past fp16's 65504, so that its forward overflows."""
+    device = torch.device(dev)
+    model, amp = bn_net().to(device), fp16(device)
+    bn = model[1]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    watch, guard = precision.StepWatch(opt), precision.BatchNormGuard(model, guarded)
+    net = torch.compile(model, mode=mode) if mode else model
+    g = torch.Generator().manual_seed(1)
+    stats, outs = [], []
+    for i in range(3):
+        x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+        x, y = (x * 1e5 if i == blow_up else x).to(device), y.to(device)
+        outs.append(loop.train_step(net, [(x, y)], nn.functional.cross_entropy, opt, amp, watch,
+                                    bn_guard=guard))
+        stats.append(torch.cat([bn.running_mean, bn.running_var]).cpu())
+    model.eval()
+    with torch.no_grad(), amp.autocast():
+        logits = model(x)
+    return model, stats, outs, logits
+
+
+@pytest.mark.parametrize("guarded,dev,mode", [
+    (True, "cpu", None), (False, "cpu", None),
+    pytest.param(True, "cuda", None, marks=pytest.mark.gpu),
+    pytest.param(True, "cuda", "reduce-overhead", marks=pytest.mark.gpu)])
+def test_an_overflowing_forward_leaves_batchnorm_statistics_alone(guarded, dev, mode):
+    _, stats, outs, logits = bn_steps(guarded, blow_up=1, dev=dev, mode=mode)
+    assert not torch.isfinite(outs[1].loss) and not outs[1].stepped  # GradScaler skipped it
+    assert torch.isfinite(outs[2].loss) and outs[2].stepped  # and training carries on
+    if guarded:  # the skipped step left no trace; the next one updated the stats as usual
+        assert torch.equal(stats[1], stats[0]) and not torch.equal(stats[2], stats[1])
+        assert torch.isfinite(stats[2]).all() and torch.isfinite(logits).all()
+    else:  # what the guard prevents: NaN statistics for good, so every evaluation is NaN
+        assert torch.isnan(stats[2]).all() and torch.isnan(logits).all()
+
+
+def test_the_batchnorm_guard_changes_nothing_on_clean_steps():
+    m1, s1, _, _ = bn_steps(True, blow_up=None)
+    m2, s2, _, _ = bn_steps(False, blow_up=None)
+    assert all(torch.equal(a, b) for a, b in zip(s1, s2))
+    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
+    assert not precision.BatchNormGuard(mlp(), True).enabled  # no BatchNorm: no work
+
+
 def test_scale_grows_after_growth_interval_clean_steps():
     amp = fp16(init_scale=8.0, growth_interval=3)
     model, opt, sch = setup(amp)

@@ -61,6 +61,7 @@ class ScalerConfig:
     backoff_factor: float = 0.5  # scale *= this on an overflow (and the step is skipped)
     growth_interval: int = 2000  # overflow-free steps before the scale grows
     static: bool = False  # keep init_scale fixed forever (overflowing steps are still skipped)
+    guard_bn_stats: bool = True  # undo BatchNorm's running-stat update of an overflowing forward
 
     def __post_init__(self) -> None:
         _check(self.init_scale > 0, "scaler.init_scale", self.init_scale, "> 0")

@@ -24,7 +24,7 @@ from torch.nn.utils import clip_grad_norm_, get_total_norm
 from tqdm.auto import tqdm
 
 from .perf import Throughput
-from .precision import Precision, StepWatch
+from .precision import BatchNormGuard, Precision, StepWatch
 from .safety import DivergenceGuard, Preempted, StopSignals
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ class LoopSettings:
     samples_per_step: int  # batch * accum * world
     ckpt_every: int | None = None
     world: int = 1  # data-parallel processes (DDP)
+    guard_bn_stats: bool = True  # with a GradScaler: see precision.BatchNormGuard
 
 
 @dataclass
@@ -52,6 +53,9 @@ class TrainState:
     val_loss: float | None = None
     val_acc1: float | None = None
     last_loss: float | None = None
+
+
+_NO_GUARD = BatchNormGuard(nn.Module(), enabled=False)
 
 
 @dataclass
@@ -68,14 +72,17 @@ class StepResult:
 def train_step(model: nn.Module, micro_batches: list, loss_fn: Callable, optimizer,
                amp: Precision, watch: StepWatch, clip_grad_norm: float | None = None,
                want_grad_norm: bool = False, no_sync: Callable = lambda model: nullcontext(),
-               before_step: Callable[[], None] = lambda: None) -> StepResult:
-    accum, total = len(micro_batches), 0.0
+               before_step: Callable[[], None] = lambda: None,
+               bn_guard: BatchNormGuard | None = None) -> StepResult:
+    accum, total, bn_guard = len(micro_batches), 0.0, bn_guard or _NO_GUARD
     for i, (x, y) in enumerate(micro_batches):
         # DDP: all-reduce gradients on the last micro-batch only (forward must be inside no_sync)
         with no_sync(model) if i < accum - 1 else nullcontext():
+            stats = bn_guard.snapshot()
             with amp.autocast():
                 loss = loss_fn(model(x), y) / accum  # mean over the effective batch
             amp.scaler.scale(loss).backward()  # scale up so small fp16 grads do not flush to 0
+            bn_guard.keep_if_finite(loss, stats)  # an fp16 overflow must not poison BatchNorm
         total = total + loss.detach()
     before_step()  # the loop settles the previous step here, while the GPU runs this backward
     amp.scaler.unscale_(optimizer)  # true gradients from here on: once per optimizer step
@@ -116,6 +123,10 @@ def train(model: nn.Module, data, loss_fn: Callable, optimizer, scheduler, amp: 
           reduce: Callable = lambda t, op="sum": t,
           show_progress: bool = True) -> TrainState:
     watch = StepWatch(optimizer)
+    bn_guard = BatchNormGuard(model, amp.scaler.is_enabled() and cfg.guard_bn_stats)
+    if bn_guard.enabled:
+        log.info("scaler.guard_bn_stats: %d BatchNorm running-stat tensors are put back after any "
+                 "forward whose loss is inf/nan", len(bn_guard.stats))
     steps_per_epoch = len(data.train) // cfg.accum
     total = cfg.max_steps or steps_per_epoch * cfg.epochs
     bar = tqdm(total=total, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
@@ -181,7 +192,8 @@ def train(model: nn.Module, data, loss_fn: Callable, optimizer, scheduler, amp: 
             want_norm = pending is None and (state.step + 1) % cfg.log_every == 0
             pending = train_step(model, micro, loss_fn, optimizer, amp, watch,
                                  cfg.clip_grad_norm, want_norm, no_sync,
-                                 before_step=lambda p=pending: settle(p, late=True))
+                                 before_step=lambda p=pending: settle(p, late=True),
+                                 bn_guard=bn_guard)
             if first is not None:  # one sync: how long compile / autotuning / capture took
                 float(pending.loss)
                 log.info("first step took %.1fs (compile, cuDNN autotuning and graph capture "

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch import nn
 from torch.amp import GradScaler
 
 from .config import ConfigError, PrecisionConfig, ScalerConfig
@@ -125,3 +126,35 @@ class StepWatch:
         copied = torch.cuda.Event()
         copied.record()
         return lambda: not (copied.synchronize() or bool(flag.item()))
+
+
+class BatchNormGuard:
+    """Keeps an overflowing fp16 forward out of BatchNorm's running statistics.
+
+    BatchNorm updates its running mean and variance inside the forward pass, before GradScaler
+    can skip the step: one forward that overflows in fp16 turns them NaN for good. Training then
+    carries on (train mode normalises with the batch's own statistics), while every evaluation
+    and checkpoint after it is NaN (seen on the H200: val/loss nan from epoch 0 of a run whose
+    training loss recovered). The guard snapshots them before each forward and puts them back
+    when that forward's loss is not finite, on the device with no host sync: one concatenation
+    before, and a concatenation, a `where` and one foreach copy after the backward (which reads
+    the statistics' version counters). Always an object: off
+    (no work at all) without a GradScaler, with `scaler.guard_bn_stats=false`, or without
+    BatchNorm layers.
+    """
+
+    def __init__(self, model: nn.Module, enabled: bool) -> None:
+        self.stats = [t for m in model.modules()
+                      if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None
+                      for t in (m.running_mean, m.running_var)]
+        self.sizes = [t.numel() for t in self.stats]
+        self.enabled = enabled and bool(self.stats)
+
+    def snapshot(self) -> torch.Tensor | None:
+        return torch.cat(self.stats) if self.enabled else None
+
+    def keep_if_finite(self, loss: torch.Tensor, saved: torch.Tensor | None) -> None:
+        if saved is None:
+            return
+        kept = torch.where(torch.isfinite(loss.detach()), torch.cat(self.stats), saved)
+        torch._foreach_copy_(self.stats, list(kept.split(self.sizes)))

@@ -115,7 +115,7 @@ def _run(c: TrainConfig, cfg: DictConfig, hw, dd: distributed.Dist) -> dict:
         epochs=c.trainer.epochs if c.trainer.max_steps is None else sys.maxsize,
         max_steps=c.trainer.max_steps, accum=accum, log_every=c.trainer.log_every,
         clip_grad_norm=c.trainer.clip_grad_norm, samples_per_step=effective_batch,
-        ckpt_every=c.ckpt.every_steps, world=world)
+        ckpt_every=c.ckpt.every_steps, world=world, guard_bn_stats=c.scaler.guard_bn_stats)
     if max_batch is not None:
         tracker.log({"mem/max_batch": max_batch}, state.step)
     if c.diagnose:
