@@ -176,3 +176,18 @@ def test_fp32_checkpoint_resumed_with_amp_gets_a_fresh_scaler(cfg_factory, tmp_p
     summary = json.loads((tmp_path / "amp" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 4
     assert "starts a fresh scaler" in caplog.text
+
+
+def test_no_checkpoint_over_nan_batchnorm_statistics():
+    """Finite weights are not enough: NaN running statistics (e.g. from an overflowing forward
+    with scaler.guard_bn_stats=false) would make every evaluation of the checkpoint NaN."""
+    from torch import nn
+
+    from mixprec import loop
+    from mixprec.safety import DivergenceGuard
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    guard, saved = DivergenceGuard(torch.device("cpu"), 3, 1.0), []
+    loop.save_if_healthy(saved.append, loop.TrainState(step=1), guard, model)
+    model[1].running_var[0] = float("nan")
+    loop.save_if_healthy(saved.append, loop.TrainState(step=2), guard, model)
+    assert [s.step for s in saved] == [1]

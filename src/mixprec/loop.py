@@ -216,10 +216,12 @@ def train(model: nn.Module, data, loss_fn: Callable, optimizer, scheduler, amp: 
 
 
 def save_if_healthy(save: Callable, state: TrainState, guard: DivergenceGuard, model) -> None:
-    if guard.healthy(list(model.parameters())):  # never overwrite the last good checkpoint
+    tensors = [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]
+    if guard.healthy(tensors):  # never overwrite the last good checkpoint
         save(state)
     else:
-        log.warning("step %d: non-finite loss or weights; checkpoint not written", state.step)
+        log.warning("step %d: non-finite loss, weights or buffers (e.g. BatchNorm statistics); "
+                    "checkpoint not written", state.step)
 
 
 def _stop_signal(stop: StopSignals | None, cfg: LoopSettings, state: TrainState, reduce,

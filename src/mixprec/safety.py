@@ -38,9 +38,9 @@ class DivergenceGuard:
         self.bad = torch.where(torch.isfinite(loss), 0, self.bad + 1)
 
     def healthy(self, params: list[torch.Tensor]) -> bool:
-        """The latest loss and every weight are finite (one sync): only then write a checkpoint.
-
-        The loss is computed before the update, so the weights are checked too."""
+        """The latest loss and every given tensor (weights, float buffers) are finite (one
+        sync): only then write a checkpoint. The loss is computed before the update, so the
+        weights are checked too."""
         norms = torch._foreach_norm([p.detach() for p in params])
         bad = self.bad + (~torch.isfinite(torch.stack(norms)).all()).long()
         return int(self.reduce(bad, "max")) == 0
