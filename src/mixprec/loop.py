@@ -73,8 +73,8 @@ def train_step(model: nn.Module, micro_batches: list, loss_fn: Callable, optimiz
                amp: Precision, watch: StepWatch, clip_grad_norm: float | None = None,
                want_grad_norm: bool = False, no_sync: Callable = lambda model: nullcontext(),
                before_step: Callable[[], None] = lambda: None,
-               bn_guard: BatchNormGuard | None = None) -> StepResult:
-    accum, total, bn_guard = len(micro_batches), 0.0, bn_guard or _NO_GUARD
+               bn_guard: BatchNormGuard = _NO_GUARD) -> StepResult:
+    accum, total = len(micro_batches), 0.0
     for i, (x, y) in enumerate(micro_batches):
         # DDP: all-reduce gradients on the last micro-batch only (forward must be inside no_sync)
         with no_sync(model) if i < accum - 1 else nullcontext():

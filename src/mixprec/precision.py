@@ -138,9 +138,8 @@ class BatchNormGuard:
     training loss recovered). The guard snapshots them before each forward and puts them back
     when that forward's loss is not finite, on the device with no host sync: one concatenation
     before, and a concatenation, a `where` and one foreach copy after the backward (which reads
-    the statistics' version counters). Always an object: off
-    (no work at all) without a GradScaler, with `scaler.guard_bn_stats=false`, or without
-    BatchNorm layers.
+    the statistics' version counters). Always an object: off (no work at all) without a
+    GradScaler, with `scaler.guard_bn_stats=false`, or without BatchNorm layers.
     """
 
     def __init__(self, model: nn.Module, enabled: bool) -> None:
