@@ -4,6 +4,7 @@
     python benchmarks/bare_vs_train.py --preset gpu     # ResNet-50 224^2 synthetic, batch 256
     python benchmarks/bare_vs_train.py --preset gpu --matrix --gpus 0,1   # `make bench`
     python benchmarks/bare_vs_train.py --preset gpu --rows amp+cl+compile,bf16+cl+graphs@384
+    python benchmarks/bare_vs_train.py --preset gpu --rows amp+cl --train-args scaler.guard_bn_stats=false
 
 A row is `precision[+cl][+compile[:mode]][+opt:KEY]...[+graphs][@batch]`: channels_last,
 torch.compile (and its mode, and inductor options set true, e.g. `+opt:conv_1x1_as_mm`), CUDA
@@ -123,6 +124,7 @@ def via_train_py(preset: str, row: dict, steps: int, warmup: int, repeats: int,
                  env: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory() as d:
         args = [sys.executable, str(ROOT / "train.py"), *PRESETS[preset]["train_args"],
+                *row.get("train_args", []),
                 f"precision={row['precision']}", f"batch={row['batch']}", "logger=none",
                 f"model.channels_last={str(row['channels_last']).lower()}",
                 f"model.compile={str(bool(row['compile'])).lower()}",
@@ -208,6 +210,9 @@ def main() -> None:
     ap.add_argument("--bare-only", action="store_true",
                     help="time only the bare loop (to compare switches quickly)")
     ap.add_argument("--gpus", help="GPU ids to spread rows over: 0,1 or all (default: one)")
+    ap.add_argument("--train-args", default="",
+                    help="extra train.py overrides for every row, space-separated, e.g. "
+                         "'scaler.guard_bn_stats=false' (the bare loop is unchanged)")
     ap.add_argument("--out", type=Path, help="JSON results file")
     a = ap.parse_args()
     p = dict(PRESETS[a.preset])
@@ -222,7 +227,8 @@ def main() -> None:
         specs = [f"{pr}{cl}{c}" for c in comp for pr in precisions for cl in ("", "+cl")]
     else:
         specs = precisions
-    rows_in = [parse_row(sp, p["batch"]) for sp in specs]
+    rows_in = [dict(parse_row(sp, p["batch"]), train_args=a.train_args.split())
+               for sp in specs]
     import torch
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     meta = {"date": time.strftime("%Y-%m-%d"), "device": gpu, "torch": torch.__version__,
