@@ -37,11 +37,11 @@ class DivergenceGuard:
     def update(self, loss: torch.Tensor) -> None:
         self.bad = torch.where(torch.isfinite(loss), 0, self.bad + 1)
 
-    def healthy(self, params: list[torch.Tensor]) -> bool:
+    def healthy(self, tensors: list[torch.Tensor]) -> bool:
         """The latest loss and every given tensor (weights, float buffers) are finite (one
         sync): only then write a checkpoint. The loss is computed before the update, so the
         weights are checked too."""
-        norms = torch._foreach_norm([p.detach() for p in params])
+        norms = torch._foreach_norm([t.detach() for t in tensors])
         bad = self.bad + (~torch.isfinite(torch.stack(norms)).all()).long()
         return int(self.reduce(bad, "max")) == 0
 
