@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PRESETS = {
     "cpu": dict(precisions=["fp32"], batch=64, steps=100, warmup=30, repeats=3,
-                train_args=["hardware=cpu"]),
+                train_args=["hardware=cpu", "optimizer=sgd", "trainer.min_steps=0"]),
     "gpu": dict(precisions=["fp32", "amp", "bf16"], batch=256, steps=20, warmup=20, repeats=3,
                 train_args=["experiment=resnet50_synthetic"]),
 }
@@ -74,9 +74,9 @@ def bare(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
     else:
         from torch.utils.data import DataLoader, TensorDataset
 
-        from mixprec.config import DataConfig
+        from mixprec.config import compose_config, validate
         from mixprec.data.digits import tensors
-        x, y, _, _ = tensors(DataConfig())
+        x, y, _, _ = tensors(validate(compose_config()).data)
         model = timm.create_model("mixprec_digits_cnn", num_classes=10, in_chans=1).to(device)
         model(x[:1])  # materialise the lazy head
         loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True, drop_last=True)
@@ -234,7 +234,7 @@ def main() -> None:
     meta = {"date": time.strftime("%Y-%m-%d"), "device": gpu, "torch": torch.__version__,
             "preset": a.preset, "steps_per_window": p["steps"], "warmup": p["warmup"],
             "windows": p["repeats"], "command": " ".join(["python3", *sys.argv])}
-    out = a.out or ROOT / "benchmarks" / "results" / f"bare_vs_train-{a.preset}-{meta['date']}.json"
+    out = a.out or ROOT / "outputs" / "bench" / f"bare_vs_train-{a.preset}-{meta['date']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     if a.gpus == "all":  # one worker per visible GPU (rows never share a GPU)
         a.gpus = ",".join(str(i) for i in range(max(1, torch.cuda.device_count())))

@@ -73,7 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="fp32,amp,amp+ckpt")
     ap.add_argument("--hardware", default="rtx3090")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "batch_search.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "batch_search.json")
     a = ap.parse_args()
     import torch
     from omegaconf import OmegaConf
@@ -103,6 +103,7 @@ def main() -> None:
         row["found_vs_true"] = row["auto_found"] / true if true and row["auto_found"] else None
         rows.append(row)
         print(json.dumps(row), flush=True)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"),
                                      "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                      "hardware": a.hardware, "cap_gib": cap, "rows": rows}, indent=2))

@@ -58,15 +58,15 @@ def make_jpegs(root: Path, n_train: int, n_val: int, classes: int, workers: int)
 
 
 def loader_rate(root: Path, decode: str, batch: int, workers: int, batches: int) -> dict:
-    import dataclasses
-
     import torch
-    from mixprec import data, hardware
-    from mixprec.config import DataConfig
-    hw = dataclasses.replace(hardware.load_profile("h200"), num_workers=workers)
-    dcfg = DataConfig(name="imagenet", root=str(root), decode=decode)
-    device = torch.device("cuda")
-    d = data.build(dcfg, hw, batch, device, seed=0, channels_last=True)
+    from mixprec import data
+    from mixprec.config import compose_config, validate
+    c = validate(compose_config(["data=imagenet", f"data.root={root}", f"data.decode={decode}",
+                                 "hardware=h200", f"hardware.num_workers={workers}"]))
+    hw = c.hardware
+    workers_ = data.Workers(hw.num_workers, hw.pin_memory, hw.persistent_workers)
+    d = data.build(c.data, data.Context(batch, torch.device("cuda"), 0, channels_last=True,
+                                        workers=workers_))
 
     def epochs():  # as training sees them: epoch after epoch (10,000 JPEGs are 39 batches)
         for epoch in itertools.count():
@@ -130,7 +130,7 @@ def main() -> None:
                     help="end-to-end steps: long enough to drain the workers' prefetch buffer")
     ap.add_argument("--no-train", action="store_true")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per train.py run")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "loader.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "loader.json")
     a = ap.parse_args()
     import torch
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),

@@ -45,7 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--extra", nargs="*", default=[], help="more train.py overrides")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "scaling.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "scaling.json")
     a = ap.parse_args()
     import torch
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),

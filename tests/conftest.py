@@ -11,26 +11,41 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from mixprec.config import register_configs
+from mixprec.config import register_configs, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 register_configs()
+# Hydra stays initialised for the whole session, as inside train.py: hardware profiles load
+# through it (config.hardware_profiles)
+initialize_config_dir(str(CONF), version_base="1.3")
 
 # Small enough for a 2-core CPU: a couple of steps, no W&B unless a test asks for it.
 CPU_SMALL = ["hardware=cpu", "logger=none", "trainer.log_every=1", "trainer.perf_warmup_steps=0"]
 
 
 def compose_cfg(overrides: list[str], run_dir: Path | None = None) -> DictConfig:
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        extra = [f"run_dir={run_dir}"] if run_dir is not None else ["run_dir=."]
-        return compose("train", overrides=[*extra, *overrides])
+    extra = [f"run_dir={run_dir}"] if run_dir is not None else ["run_dir=."]
+    return compose("train", overrides=[*extra, *overrides])
+
+
+def group(name: str, option: str | None = None, **keys):
+    """One group's validated dataclass, composed from conf/ (the one source of its values)."""
+    overrides = [f"{name}={option}"] if option else []
+    overrides += [f"{name}.{k}={'null' if v is None else v}" for k, v in keys.items()]
+    return getattr(validate(compose_cfg(overrides)), name)
 
 
 @pytest.fixture
 def cfg_factory(tmp_path):
+    """Composes a config with its own fresh run dir (tmp_path/run, run1, run2, ...), unless the
+    overrides give run_dir=."""
+    made = []
+
     def make(*overrides: str, small: bool = True) -> DictConfig:
-        return compose_cfg([*(CPU_SMALL if small else []), *overrides], tmp_path / "run")
+        made.append(1)
+        run_dir = tmp_path / ("run" if len(made) == 1 else f"run{len(made) - 1}")
+        return compose_cfg([*(CPU_SMALL if small else []), *overrides], run_dir)
     return make
 
 
@@ -40,8 +55,8 @@ def group_options(group: str) -> list[str]:
 
 def run_train(args: list[str], cwd: Path = ROOT, env_extra: dict | None = None,
               timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env_extra or {})}
-    env.pop("WANDB_API_KEY", None)
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
+    env.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env_extra or {})})
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -9,8 +9,15 @@ import torch
 from torch import nn
 
 from mixprec import batch_size, models, run
-from mixprec.batch_size import SearchSettings, search, split_effective, with_margin
-from mixprec.config import ConfigError
+from mixprec.batch_size import search, split_effective, with_margin
+from mixprec.errors import ConfigError
+
+from conftest import group
+
+
+def SearchSettings(**keys):
+    """batch_search.* as conf/train.yaml sets them, with `keys` overridden."""
+    return group("batch_search", **keys)
 
 
 def fake_memory(limit: int, calls: list):
@@ -105,17 +112,30 @@ def test_margin_and_tensor_core_rounding():
 
 
 def test_cache_hit_skips_the_search(tmp_path):
-    s = SearchSettings(cache=tmp_path / "cache.json")
+    cache = tmp_path / "cache.json"
     key = {"model": "resnet50", "gpu": "H200"}
     calls = []
     compute = lambda: (calls.append(1) or 296, [{"batch": 296, "fits": True}])  # noqa: E731
-    assert batch_size.cached(key, s, compute) == (296, False)
-    assert batch_size.cached(key, s, compute) == (296, True)
-    assert batch_size.cached({**key, "gpu": "A100"}, s, compute) == (296, False)
+    assert batch_size.cached(key, cache, compute) == (296, False)
+    assert batch_size.cached(key, cache, compute) == (296, True)
+    assert batch_size.cached({**key, "gpu": "A100"}, cache, compute) == (296, False)
     assert len(calls) == 2
-    s.cache.write_text("{not json")
-    assert batch_size.cached(key, s, compute) == (296, False)  # unreadable cache: search again
-    assert json.loads(s.cache.read_text())  # and rewritten
+    cache.write_text("{not json")
+    assert batch_size.cached(key, cache, compute) == (296, False)  # unreadable cache: search again
+    assert json.loads(cache.read_text())  # and rewritten
+    for junk in (b"\xff\xfe binary", b'{"k": "not a table entry"}'):
+        cache.write_bytes(junk)
+        assert batch_size.cached(key, cache, compute) == (296, False)
+
+
+def test_an_unwritable_cache_costs_the_cache_not_the_run(tmp_path, caplog):
+    """batch=auto's answer is used even where ~/.cache cannot be written (a read-only home)."""
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache's folder should be")
+    calls = []
+    compute = lambda: (calls.append(1) or 296, [])  # noqa: E731
+    assert batch_size.cached({"k": 1}, blocked / "sub" / "c.json", compute) == (296, False)
+    assert "could not write the cache" in caplog.text and calls == [1]
 
 
 @pytest.mark.parametrize("target,max_micro,world,micro,accum", [
@@ -164,8 +184,14 @@ def test_grad_checkpointing_keeps_the_gradients(name):
     ckpt.load_state_dict(plain.state_dict())
     ckpt = models.enable_grad_checkpointing(ckpt, name)
     plain.train(), ckpt.train()  # checkpointing acts in training mode
+    forwards = {id(plain): 0, id(ckpt): 0}
+    for m in (plain, ckpt):  # the last conv: inside a checkpointed block, it runs again in backward
+        last = [c for c in m.modules() if isinstance(c, nn.Conv2d)][-1]
+        last.register_forward_hook(lambda mod, a, out, key=id(m): forwards.update(
+            {key: forwards[key] + 1}))
     for a, b in zip(_grads(plain, x, y), _grads(ckpt, x, y)):
         torch.testing.assert_close(a, b)
+    assert (forwards[id(plain)], forwards[id(ckpt)]) == (1, 2)  # activations were recomputed
 
 
 def test_grad_checkpointing_fallback_and_error():

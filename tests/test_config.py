@@ -4,10 +4,11 @@ from __future__ import annotations
 import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-from mixprec import hardware, models, precision
-from mixprec.config import ConfigError, TrainConfig, validate
+from mixprec import config, hardware, models, precision
+from mixprec.config import TrainConfig, validate
+from mixprec.errors import ConfigError
 
-from conftest import compose_cfg, group_options, run_train
+from conftest import compose_cfg, group, group_options, run_train
 
 GROUPS = ["precision", "scaler", "optimizer", "scheduler", "hardware", "model", "data", "logger",
           "experiment"]
@@ -61,11 +62,14 @@ def test_scaler_presets_follow_the_seeds():
     ("batch=0", "batch"), ("batch=-3", "batch"), ("batch=abc", "batch"), ("effective_batch=0", "effective_batch"), ("accum=0", "accum"),
     ("optimizer.lr=0", "optimizer.lr"), ("optimizer.lr=-1", "optimizer.lr"),
     ("trainer.max_steps=0", "trainer.max_steps"), ("scaler.backoff_factor=1.5", "scaler.backoff_factor"),
-    ("optimizer.scale_lr=cubic", "optimizer.scale_lr"), ("data.shape=[3,0,4]", "data.shape"),
+    ("optimizer.scale_lr=cubic", "optimizer.scale_lr"),
+    ("data=synthetic data.shape=[3,0,4]", "data.shape"), ("seed=-1", "seed"),
+    ("seed=4294967296", "seed"), ("optimizer.lr=inf", "optimizer.lr"),
+    ("scaler.init_scale=nan", "scaler.init_scale"), ("optimizer.momentum=0.9", "optimizer.momentum"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        validate(compose_cfg([override]))
+        validate(compose_cfg(override.split()))
 
 
 def test_wrong_type_fails_at_compose_time():
@@ -80,7 +84,7 @@ def test_unknown_key_fails_at_compose_time():
 
 def test_unknown_group_option_lists_the_allowed_ones():
     with pytest.raises(MissingConfigException) as e:
-        compose_cfg(["precision=fp8"])
+        compose_cfg(["precision=fp16"])
     assert "bf16" in str(e.value.options) and "amp" in str(e.value.options)
 
 
@@ -107,13 +111,15 @@ def test_amp_without_scaler_warns(caplog):
 
 
 def test_hardware_auto_detection_by_gpu_name():
-    assert hardware.match_profile("NVIDIA H200") == "h200"
-    assert hardware.match_profile("NVIDIA H100 80GB HBM3") == "h100"
-    assert hardware.match_profile("NVIDIA A100-SXM4-80GB") == "a100"
-    assert hardware.match_profile("NVIDIA GeForce RTX 3090") == "rtx3090"
-    assert hardware.match_profile("Tesla T4") is None
-    profile = hardware.load_profile("h200")
+    profiles = config.hardware_profiles()
+    assert profiles.match("NVIDIA H200") == "h200"
+    assert profiles.match("NVIDIA H100 80GB HBM3") == "h100"
+    assert profiles.match("NVIDIA A100-SXM4-80GB") == "a100"
+    assert profiles.match("NVIDIA GeForce RTX 3090") == "rtx3090"
+    assert profiles.match("Tesla T4") is None
+    profile = profiles.load("h200")
     assert profile.peak_tflops["bf16"] > profile.peak_tflops["fp32"] > 0
+    assert profile.pin_memory and profile.num_workers == 12  # the generic cuda profile, extended
 
 
 def test_cuda_profile_without_a_gpu_is_a_clear_error(monkeypatch):
@@ -121,15 +127,16 @@ def test_cuda_profile_without_a_gpu_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     c = validate(compose_cfg(["hardware=h100"]))
     with pytest.raises(ConfigError, match="hardware=h100 needs a CUDA GPU"):
-        hardware.resolve(c.hardware)
-    assert hardware.resolve(validate(compose_cfg(["hardware=auto"])).hardware).name == "cpu"
+        hardware.resolve(c.hardware, config.hardware_profiles())
+    auto = validate(compose_cfg(["hardware=auto"])).hardware
+    assert hardware.resolve(auto, config.hardware_profiles()).name == "cpu"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args,code,needle", [
     (["batch=0"], 2, "batch=0 is not allowed; batch must be an int >= 1 or auto"),
     (["model.name=resnet5O"], 2, "did you mean"),
-    (["precision=fp8"], 1, "Available options in 'precision'"),
+    (["precision=fp16"], 1, "Available options in 'precision'"),
 ])
 def test_cli_rejects_bad_input_before_training(tmp_path, args, code, needle):
     proc = run_train([*args, f"hydra.run.dir={tmp_path}", "logger=wandb"])
@@ -142,11 +149,9 @@ def test_cli_rejects_bad_input_before_training(tmp_path, args, code, needle):
 def test_hardware_auto_keeps_what_the_user_overrode():
     """hardware=auto picks a profile but must not drop `hardware.num_workers=5`-style overrides
     (a lost `hardware.memory_gib` once let batch=auto fill a whole H200)."""
-    from mixprec import hardware
-    from mixprec.config import HardwareConfig
-    picked = hardware.resolve(HardwareConfig(name="auto", device="auto"))
-    mine = hardware.resolve(HardwareConfig(name="auto", device="auto", num_workers=5,
-                                           memory_gib=3.0))
+    profiles = config.hardware_profiles()
+    picked = hardware.resolve(group("hardware", "auto"), profiles)
+    mine = hardware.resolve(group("hardware", "auto", num_workers=5, memory_gib=3.0), profiles)
     assert mine.name == picked.name and mine.num_workers == 5 and mine.memory_gib == 3.0
     assert mine.peak_tflops == picked.peak_tflops  # the rest is the detected profile's
 
@@ -157,15 +162,17 @@ def test_an_emulated_card_keeps_its_memory_but_mfu_uses_the_real_gpus_peaks(monk
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "NVIDIA H200")
-    emulated = hardware.resolve(validate(compose_cfg(["hardware=rtx3090"])).hardware)
+    profiles = config.hardware_profiles()
+    emulated = hardware.resolve(group("hardware", "rtx3090"), profiles)
     assert emulated.memory_gib == 24 and emulated.name == "rtx3090"
-    assert emulated.peak_tflops == hardware.load_profile("h200").peak_tflops
+    assert emulated.peak_tflops == profiles.load("h200").peak_tflops
     mine = hardware.resolve(validate(compose_cfg(["hardware=rtx3090",
-                                                  "hardware.peak_tflops={fp16: 1.0}"])).hardware)
+                                                  "hardware.peak_tflops={fp16: 1.0}"])).hardware,
+                            profiles)
     assert mine.peak_tflops["fp16"] == 1.0  # an explicit override keeps the profile's peaks
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "NVIDIA GeForce RTX 3090")
-    native = hardware.resolve(validate(compose_cfg(["hardware=rtx3090"])).hardware)
-    assert native.peak_tflops == hardware.load_profile("rtx3090").peak_tflops
+    native = hardware.resolve(group("hardware", "rtx3090"), profiles)
+    assert native.peak_tflops == profiles.load("rtx3090").peak_tflops
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
-    unknown = hardware.resolve(validate(compose_cfg(["hardware=rtx3090"])).hardware)
+    unknown = hardware.resolve(group("hardware", "rtx3090"), profiles)
     assert unknown.peak_tflops == {}  # no known peaks: MFU null rather than wrong

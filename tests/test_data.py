@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from mixprec import run
-from mixprec.config import ConfigError
+from mixprec.errors import ConfigError, DataError
 
 TINY = ["model=resnet18", "batch=4", "trainer.max_steps=2", "data.image_size=32",
         "data.eval_resize=36"]
@@ -79,7 +79,7 @@ def test_unreadable_image_fails_with_its_path_or_is_skipped(cfg_factory, tmp_pat
     root = make_folder(tmp_path / "imgs")
     bad = root / "train" / "cat" / "broken.jpg"
     bad.write_bytes(b"not a jpeg at all")
-    with pytest.raises(ConfigError, match="unreadable image .*broken.jpg"):
+    with pytest.raises(DataError, match="unreadable image .*broken.jpg"):
         run.run(cfg_factory("data=imagenet", f"data.root={root}", *TINY, "batch=13",
                             "trainer.max_steps=1"))
     summary = run.run(cfg_factory("data=imagenet", f"data.root={root}", *TINY, "batch=13",
@@ -118,11 +118,11 @@ def smooth_jpegs(root: Path) -> Path:
 
 def _batches(dcfg_overrides, cfg_factory, root, split="val", n=1):
     import torch
-    from mixprec import data, hardware
+    from mixprec import data
     from mixprec.config import validate
     c = validate(cfg_factory("data=imagenet", f"data.root={root}", "data.image_size=32",
                              "data.eval_resize=36", *dcfg_overrides))
-    d = data.build(c.data, hardware.resolve(c.hardware), 8, torch.device("cpu"), 0)
+    d = data.build(c.data, data.Context(8, torch.device("cpu"), 0))
     loader = d.val if split == "val" else d.train
     if split == "train":
         loader.set_epoch(0)
@@ -159,12 +159,16 @@ def torch_equal(a, b) -> bool:
 def test_device_decode_names_a_file_it_cannot_decode(cfg_factory, tmp_path):
     root = smooth_jpegs(tmp_path / "imgs")
     Image.new("RGB", (40, 40)).save(root / "train" / "cat" / "odd.png")
-    with pytest.raises(ConfigError, match="odd.png.*JPEG only"):
+    with pytest.raises(DataError, match="odd.png.*JPEG only"):
         run.run(cfg_factory("data=imagenet", f"data.root={root}", "data.decode=device", *TINY,
                             "batch=9", "trainer.max_steps=1"))
-    with pytest.raises(ConfigError, match="one optimizer step needs 20 samples"):
-        run.run(cfg_factory("data=imagenet", f"data.root={root}", *TINY, "batch=10", "accum=2",
+    with pytest.raises(ConfigError, match="batch=10: data=imagenet holds fewer training samples"):
+        run.run(cfg_factory("data=imagenet", f"data.root={root}", *TINY, "batch=10",
                             "trainer.max_steps=1"))  # an epoch of 9 images: never a whole step
+    with pytest.raises(ConfigError, match="accum=3: one optimizer step needs 3 micro-batches of 4 "
+                                          "but an epoch of data=imagenet holds 2"):
+        run.run(cfg_factory("data=imagenet", f"data.root={root}", *TINY, "batch=4", "accum=3",
+                            "trainer.max_steps=1"))
 
 
 def test_persistent_workers_serve_the_same_batches(tmp_path):
@@ -174,9 +178,9 @@ def test_persistent_workers_serve_the_same_batches(tmp_path):
     from torch.utils.data import TensorDataset
     from mixprec.data.loaders import EpochLoader
     ds = TensorDataset(torch.arange(40).float(), torch.arange(40))
-    kw = dict(device=torch.device("cpu"), fmt=torch.contiguous_format, seed=3, rank=0, world=1,
-              num_workers=2)
-    fresh, kept = EpochLoader(ds, 8, **kw), EpochLoader(ds, 8, persistent_workers=True, **kw)
+    from mixprec.data import Context, Workers
+    ctx = Context(8, torch.device("cpu"), seed=3, workers=Workers(num_workers=2))
+    fresh, kept = EpochLoader(ds, ctx), EpochLoader(ds, ctx, persistent=True)
     for epoch, skip in [(0, 0), (1, 0), (2, 2)]:
         got = []
         for loader in (fresh, kept):

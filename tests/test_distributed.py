@@ -13,10 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mixprec import distributed, loop, precision
-from mixprec.config import PrecisionConfig, ScalerConfig
+from mixprec import distributed, loop, optim, precision
 
-from conftest import ROOT, run_train
+from conftest import ROOT, group, run_train
 
 COMMON = ["model=digits_mlp", "trainer.max_steps=6", "trainer.log_every=1", "hardware=cpu",
           "scheduler=constant"]
@@ -71,13 +70,13 @@ def test_accumulation_all_reduces_once_per_optimizer_step(gloo_world_of_one):
 
     model.register_comm_hook(None, count)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp = precision.build(PrecisionConfig(), ScalerConfig(), torch.device("cpu"))
+    prec = precision.build(group("precision", "fp32"), group("scaler"), torch.device("cpu"))
+    learner = loop.Learner(model, opt, optim.build_scheduler(group("scheduler"), opt, 2), prec)
     micro = [(torch.randn(4, 8), torch.randint(0, 3, (4,))) for _ in range(4)]
-    loop.train_step(model, micro, nn.functional.cross_entropy, opt, amp, precision.StepWatch(opt),
-                    no_sync=distributed.no_sync)
+    loop.train_step(learner, micro, no_sync=distributed.no_sync)
     assert len(calls) == 1  # the last micro-batch only (one bucket for this small model)
     calls.clear()
-    loop.train_step(model, micro, nn.functional.cross_entropy, opt, amp, precision.StepWatch(opt))
+    loop.train_step(learner, micro)
     assert len(calls) == 4  # without no_sync every micro-batch would all-reduce
 
 

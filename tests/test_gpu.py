@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from mixprec import hardware, run
-from mixprec.config import ConfigError
+from mixprec.errors import ConfigError, OutOfMemory
+
+from conftest import group
 
 pytestmark = pytest.mark.gpu
 GPU_SMALL = ["hardware=auto", "experiment=resnet50_synthetic", "model=resnet18", "batch=32",
@@ -35,12 +37,10 @@ def test_every_precision_trains_on_the_gpu(cfg_factory, prec):
 
 def test_autocast_dtypes_on_cuda():
     from mixprec import precision
-    from mixprec.config import PrecisionConfig, ScalerConfig
     lin = torch.nn.Linear(64, 64).cuda()
     x = torch.randn(8, 64, device="cuda")
     for name, dtype in (("amp", torch.float16), ("bf16", torch.bfloat16)):
-        amp = precision.build(PrecisionConfig(name=name, autocast=str(dtype).split(".")[1]),
-                              ScalerConfig(), torch.device("cuda"))
+        amp = precision.build(group("precision", name), group("scaler"), torch.device("cuda"))
         with amp.autocast():
             assert lin(x).dtype == dtype
         assert amp.scaler.is_enabled() == (dtype == torch.float16)
@@ -67,14 +67,13 @@ def test_oom_marks_the_run_failed_with_advice(cfg_factory, caplog):
     cfg = cfg_factory("experiment=resnet50_synthetic", "hardware=rtx3090", "batch=2048",
                       "trainer.max_steps=2", small=False)
     try:
-        with pytest.raises(torch.OutOfMemoryError):
+        with pytest.raises(OutOfMemory, match="batch=2048.*batch=auto"):
             run.run(cfg)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
     s = json.loads((Path(cfg.run_dir) / "summary.json").read_text())
-    assert s["status"] == "failed"
-    assert "batch=2048" in caplog.text and "batch=auto" in caplog.text
+    assert s["status"] == "failed" and s["exit_code"] == 7 and "batch=2048" in s["error"]
 
 
 def test_batch_auto_finds_a_batch_that_trains_under_a_cap(cfg_factory, tmp_path):
@@ -130,8 +129,7 @@ def test_nvjpeg_decode_matches_the_workers_on_the_gpu(cfg_factory, tmp_path):
     for decode in ("workers", "device"):
         c = validate(cfg_factory("data=imagenet", f"data.root={root}", "data.image_size=32",
                                  "data.eval_resize=36", f"data.decode={decode}", small=False))
-        d = data.build(c.data, hardware.resolve(c.hardware), 8, torch.device("cuda"), 0,
-                       channels_last=True)
+        d = data.build(c.data, data.Context(8, torch.device("cuda"), 0, channels_last=True))
         got.append(next(iter(d.val)))
     (xw, yw), (xd, yd) = got
     assert xd.is_cuda and xd.is_contiguous(memory_format=torch.channels_last)

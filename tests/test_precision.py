@@ -10,14 +10,22 @@ import torch
 from torch import nn
 
 from mixprec import hardware, loop, optim, precision
-from mixprec.config import OptimizerConfig, PrecisionConfig, ScalerConfig, SchedulerConfig
+
+from conftest import group
 
 CPU = torch.device("cpu")
 
 
 def fp16(device: torch.device = CPU, **scaler) -> precision.Precision:
-    return precision.build(PrecisionConfig(name="amp", autocast="float16", tf32=True),
-                           ScalerConfig(**scaler), device)
+    return precision.build(group("precision", "amp"), group("scaler", "dynamic", **scaler), device)
+
+
+def fp32() -> precision.Precision:
+    return precision.build(group("precision", "fp32"), group("scaler", "dynamic"), CPU)
+
+
+def constant_lr(opt) -> torch.optim.lr_scheduler.LRScheduler:
+    return optim.build_scheduler(group("scheduler", "constant"), opt, total_steps=10)
 
 
 def mlp(seed: int = 0) -> nn.Module:
@@ -56,16 +64,16 @@ class _Scale(torch.autograd.Function):
 def setup(amp, sched="constant", fused=False):
     model = nn.Sequential(mlp(), InfGrad())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
-    sch = optim.build_scheduler(SchedulerConfig(name=sched, warmup_steps=0), opt, total_steps=10)
+    sch = optim.build_scheduler(group("scheduler", sched, warmup_steps=0), opt, total_steps=10)
     return model, opt, sch
 
 
 def run_steps(model, opt, sch, amp, data, state=None):
     """The loop's per-step bookkeeping, over `data` one batch per step."""
-    watch = precision.StepWatch(opt)
+    learner = loop.Learner(model, opt, sch, amp)
     state = state or loop.TrainState()
     for x, y in data:
-        out = loop.train_step(model, [(x, y)], nn.functional.cross_entropy, opt, amp, watch)
+        out = loop.train_step(learner, [(x, y)])
         if out.stepped:
             sch.step()
             state.step += 1
@@ -107,18 +115,18 @@ def bn_steps(guarded: bool, blow_up: int | None, dev: str = "cpu", mode: str | N
     """Three fp16 steps of a conv + BatchNorm net (compiled with `mode` if given); the input of
     step `blow_up` is scaled by 1e5, past fp16's 65504, so that its forward overflows."""
     device = torch.device(dev)
-    model, amp = bn_net().to(device), fp16(device)
+    model, amp = bn_net().to(device), fp16(device, guard_bn_stats=guarded)
     bn = model[1]
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    watch, guard = precision.StepWatch(opt), precision.BatchNormGuard(model, guarded)
     net = torch.compile(model, mode=mode) if mode else model
+    learner = loop.Learner(net, opt, constant_lr(opt), amp)
+    assert learner.bn_guard.enabled == guarded
     g = torch.Generator().manual_seed(1)
     stats, outs = [], []
     for i in range(3):
         x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
         x, y = (x * 1e5 if i == blow_up else x).to(device), y.to(device)
-        outs.append(loop.train_step(net, [(x, y)], nn.functional.cross_entropy, opt, amp, watch,
-                                    bn_guard=guard))
+        outs.append(loop.train_step(learner, [(x, y)]))
         stats.append(torch.cat([bn.running_mean, bn.running_var]).cpu())
     model.eval()
     with torch.no_grad(), amp.autocast():
@@ -167,8 +175,8 @@ def test_static_scale_never_moves_but_still_skips():
 
 
 def test_disabled_scaler_is_a_no_op_object():
-    amp = precision.build(PrecisionConfig(name="fp32"), ScalerConfig(), CPU)
-    assert not amp.scaler.is_enabled() and amp.loss_scale() == 1.0
+    amp = fp32()
+    assert not amp.scaler.is_enabled() and amp.loss_scale() == 1.0 and not amp.scaling
     loss = torch.tensor(2.0, requires_grad=True)
     assert amp.scaler.scale(loss) is loss
 
@@ -178,7 +186,7 @@ def test_bf16_loss_is_close_to_fp32():
     x, y = data[0]
     losses = {}
     for name, dtype in (("fp32", None), ("bf16", "bfloat16")):
-        amp = precision.build(PrecisionConfig(name=name, autocast=dtype), ScalerConfig(), CPU)
+        amp = precision.build(group("precision", name), group("scaler", "dynamic"), CPU)
         model = mlp()
         with amp.autocast():
             out = model(x)
@@ -189,14 +197,13 @@ def test_bf16_loss_is_close_to_fp32():
 
 
 def _one_step_delta(accum: int, micro: int, amp=None):
-    amp = amp or precision.build(PrecisionConfig(name="fp32"), ScalerConfig(), CPU)
+    amp = amp or fp32()
     model = mlp()
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     (x, y), = batches(1, accum * micro)
     micro_batches = list(zip(x.split(micro), y.split(micro)))
-    loop.train_step(model, micro_batches, nn.functional.cross_entropy, opt, amp,
-                    precision.StepWatch(opt))
+    loop.train_step(loop.Learner(model, opt, constant_lr(opt), amp), micro_batches)
     return [b - a for a, b in zip(model.parameters(), before)]
 
 
@@ -210,12 +217,12 @@ def test_accumulation_4x8_equals_one_batch_of_32():
 @pytest.mark.parametrize("scaled", [False, True])
 def test_clipping_bounds_the_true_gradient_norm(scaled):
     amp = fp16(init_scale=65536.0) if scaled else None
-    amp = amp or precision.build(PrecisionConfig(name="fp32"), ScalerConfig(), CPU)
+    amp = amp or fp32()
     model = mlp()
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)  # delta = -clipped grad
-    out = loop.train_step(model, batches(1, 32), nn.functional.cross_entropy, opt, amp,
-                          precision.StepWatch(opt), clip_grad_norm=0.05)
+    out = loop.train_step(loop.Learner(model, opt, constant_lr(opt), amp), batches(1, 32),
+                          clip_grad_norm=0.05)
     delta = torch.cat([(b - a).flatten() for a, b in zip(model.parameters(), before)])
     assert out.stepped and out.grad_norm > 0.05  # the raw norm really was above the limit
     assert delta.norm().item() <= 0.05 * 1.001
@@ -224,14 +231,14 @@ def test_clipping_bounds_the_true_gradient_norm(scaled):
 
 @pytest.mark.parametrize("rule,expected", [("linear", 0.3), ("sqrt", 0.1 * 3**0.5), ("none", 0.1)])
 def test_lr_scaling_rule(rule, expected):
-    ocfg = OptimizerConfig(lr=0.1, base_batch=256, scale_lr=rule)
+    ocfg = group("optimizer", "sgd", lr=0.1, base_batch=256, scale_lr=rule)
     assert optim.scaled_lr(ocfg, 768) == pytest.approx(expected)
 
 
 def test_schedules_warm_up_and_decay():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    sch = optim.build_scheduler(SchedulerConfig(name="cosine", warmup_steps=4, warmup_start=0.25),
+    sch = optim.build_scheduler(group("scheduler", "cosine", warmup_steps=4, warmup_start=0.25),
                                 opt, total_steps=20)
     lrs = [opt.param_groups[0]["lr"]]
     for _ in range(20):
@@ -241,12 +248,12 @@ def test_schedules_warm_up_and_decay():
     assert lrs[0] == pytest.approx(0.25) and lrs[4] == pytest.approx(1.0)
     assert lrs[20] == pytest.approx(0.0, abs=1e-9) and all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
     opt = torch.optim.SGD(mlp().parameters(), lr=1.0)
-    sch = optim.build_scheduler(SchedulerConfig(name="onecycle"), opt, total_steps=8)
+    sch = optim.build_scheduler(group("scheduler", "onecycle"), opt, total_steps=8)
     for _ in range(8):
         opt.step()
         sch.step()  # exactly total_steps steps must not raise
     opt = torch.optim.SGD(mlp().parameters(), lr=1.0)
-    sch = optim.build_scheduler(SchedulerConfig(name="step", step_size=3, gamma=0.5), opt, 10)
+    sch = optim.build_scheduler(group("scheduler", "step", step_size=3, gamma=0.5), opt, 10)
     for _ in range(6):
         opt.step()
         sch.step()
@@ -255,7 +262,7 @@ def test_schedules_warm_up_and_decay():
 
 def test_optimizer_skips_weight_decay_on_norms_and_biases():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
-    opt = optim.build_optimizer(OptimizerConfig(weight_decay=0.1), model, 0.1, CPU)
+    opt = optim.build_optimizer(group("optimizer", "sgd", weight_decay=0.1), model, 0.1, CPU)
     decays = {len(g["params"]): g["weight_decay"] for g in opt.param_groups}
     assert decays == {3: 0.0, 1: 0.1}  # bias, bn weight, bn bias vs the linear weight
 
@@ -273,72 +280,83 @@ class OverflowOnce(InfGrad):
         return super().forward(x)
 
 
+def loop_run(model, data, device, fused: bool, tmp_path, settle_late: bool = True):
+    """loop.train over `data` for 8 optimizer steps, logging every 4."""
+    from mixprec.ledger import Hooks
+    from mixprec.perf import Throughput
+    from mixprec.safety import DivergenceGuard
+    from mixprec.tracking import Tracker
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
+    learner = loop.Learner(model, opt, optim.build_scheduler(group("scheduler", "cosine"), opt, 8),
+                           fp16(device, init_scale=1024.0))
+    plan = loop.Plan(total_steps=8, epochs=10, accum=1, log_every=4, samples_per_step=8,
+                     settle_late=settle_late)
+    tracker = Tracker(tmp_path, None, {})
+    hooks = Hooks(tracker, Throughput(device, 0), DivergenceGuard(device, 3, 1.0),
+                  lambda: hardware.memory_stats(device))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+        state = loop.train(learner, data, loop.TrainState(), plan, hooks)
+    tracker.close("completed")
+    return learner, state
+
+
+def digits_like(device):
+    from torch.utils.data import TensorDataset
+
+    from mixprec.data import Context, Data
+    from mixprec.data.loaders import EpochLoader
+    (x, y), = batches(1, 64)
+    ds, ctx = TensorDataset(x, y), Context(8, device, seed=0)
+    return Data(EpochLoader(ds, ctx), EpochLoader(ds, ctx, shuffle=False), 4, (16,))
+
+
 @pytest.mark.parametrize("fused,dev", [(False, "cpu"), (True, "cpu"),
                                        pytest.param(True, "cuda", marks=pytest.mark.gpu)])
 def test_the_loop_counts_skipped_steps_and_holds_the_scheduler(tmp_path, fused, dev):
     """Fused: the skip flag stays on the device and the loop settles each step one step late
     (on CUDA the flag reaches the host through a pinned copy behind an event)."""
-    from torch.utils.data import TensorDataset
-
-    from mixprec.data import Data
-    from mixprec.data.loaders import EpochLoader
-    from mixprec.perf import Throughput
-    from mixprec.safety import DivergenceGuard
-    from mixprec.tracking import Tracker
-
-    def parts(model):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
-        return fp16(device, init_scale=1024.0), opt, optim.build_scheduler(
-            SchedulerConfig(name="cosine"), opt, total_steps=8)
-
     device = torch.device(dev)
     model = nn.Sequential(mlp(), OverflowOnce(2)).to(device)
-    ref_model = copy.deepcopy(model)
-    amp, opt, sch = parts(model)
-    (x, y), = batches(1, 64)
-    ds = TensorDataset(x, y)
-    common = dict(device=device, fmt=torch.contiguous_format, seed=0, rank=0, world=1)
-    data = Data(EpochLoader(ds, 8, **common), EpochLoader(ds, 8, shuffle=False, **common), 4, (16,))
+    ref_model, at_once = copy.deepcopy(model), copy.deepcopy(model)
+    data = digits_like(device)
     # log_every 4: attempts 1-4 (two of them skipped) and 7 are settled late, as the next one runs
-    settings = loop.LoopSettings(epochs=10, max_steps=8, accum=1, log_every=4, clip_grad_norm=None,
-                                 samples_per_step=8)
-    tracker = Tracker(tmp_path, None, {})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
-        state = loop.train(model, data, nn.functional.cross_entropy, opt, sch, amp, tracker,
-                           loop.TrainState(), settings, Throughput(device, 0),
-                           memory=lambda: hardware.memory_stats(device),
-                           guard=DivergenceGuard(device, 3, 1.0),
-                           show_progress=False)
-    tracker.close("completed")
+    learner, state = loop_run(model, data, device, fused, tmp_path)
     assert (state.step, state.skipped_steps, state.attempts) == (8, 2, 10)
-    assert sch.last_epoch == 8  # stepped only after the 8 real optimizer steps
-    assert amp.loss_scale() == 256.0  # halved twice
+    assert learner.scheduler.last_epoch == 8  # stepped only after the 8 real optimizer steps
+    assert learner.precision.loss_scale() == 256.0  # halved twice
     rows = [__import__("json").loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in train_rows] == [4, 8]
     assert train_rows[0]["amp/skipped_steps"] == 2 and train_rows[0]["amp/loss_scale"] == 256.0
     assert all(r["train/grad_norm"] is not None for r in train_rows)
     # the same batches through train_step, settled at once: the late settling changes nothing
-    ref_amp, ref_opt, ref_sch = parts(ref_model)
-    watch, steps = precision.StepWatch(ref_opt), 0
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, fused=fused)
+    ref = loop.Learner(ref_model, ref_opt, optim.build_scheduler(group("scheduler", "cosine"),
+                                                                 ref_opt, 8),
+                       fp16(device, init_scale=1024.0))
+    steps = 0
     for epoch in range(2):
         data.train.set_epoch(epoch)
         for xb, yb in data.train:
             if steps < 8:
-                out = loop.train_step(ref_model, [(xb, yb)], nn.functional.cross_entropy,
-                                      ref_opt, ref_amp, watch)
+                out = loop.train_step(ref, [(xb, yb)])
                 steps += out.stepped
                 if out.stepped:
-                    ref_sch.step()
+                    ref.scheduler.step()
     for p, q in zip(model.parameters(), ref_model.parameters()):  # a wrong LR moves them by %
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    # trainer.settle_late=false: every step settled at once, the same weights
+    loop_run(at_once, digits_like(device), device, fused, tmp_path / "now", settle_late=False)
+    for p, q in zip(model.parameters(), at_once.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
 def test_mfu_flop_count_matches_a_hand_count():
     from mixprec import perf
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
-    amp = precision.build(PrecisionConfig(name="fp32"), ScalerConfig(), CPU)
+    amp = fp32()
     conv = 2 * 8 * 8 * 8 * 3 * 3 * 3  # 2 * Cout * H * W * Cin * k * k per sample
     linear = 2 * 512 * 10
     # backward: weight grads for both; input grad for the linear only (the image needs none)
@@ -347,3 +365,19 @@ def test_mfu_flop_count_matches_a_hand_count():
     assert all(p.grad is None for p in model.parameters())  # counted on a copy
     assert perf.mfu(want, 1000.0, 1.0) == pytest.approx(want * 1000 / 1e12)
     assert perf.mfu(want, 1000.0, None) is None
+
+
+@pytest.mark.parametrize("name,tf32", [("fp32", False), ("tf32", True), ("amp", True),
+                                       ("bf16", True), ("fp32", False)])
+def test_each_precision_sets_the_tf32_switches(name, tf32):
+    """TF32 is part of the precision: fp32 means IEEE fp32 matmuls and convolutions, the others
+    allow TF32 tensor cores (checked on torch's backend flags, which the CPU carries too)."""
+    precision.set_tf32(not tf32)  # start from the opposite, so a no-op set_tf32 fails
+    precision.build(group("precision", name), group("scaler"), CPU)
+    mode = "tf32" if tf32 else "ieee"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        assert torch.backends.cuda.matmul.fp32_precision == mode
+        assert torch.backends.cudnn.conv.fp32_precision == mode
+    else:
+        assert torch.backends.cuda.matmul.allow_tf32 is tf32
+        assert torch.backends.cudnn.allow_tf32 is tf32

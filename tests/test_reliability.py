@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixprec import checkpoint, run
-from mixprec.config import ConfigError
+from mixprec import checkpoint, ledger, loop, optim, precision, run
+from mixprec.errors import CheckpointError
+
+from conftest import group
 
 from conftest import ROOT, run_train
 
@@ -81,14 +83,19 @@ def test_sigkill_then_resume_auto_is_bit_identical(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_marks_preempted_and_resumes(tmp_path, reference):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_checkpoints_marks_preempted_and_resumes(tmp_path, reference, sig):
+    """SIGTERM (a scheduler) and SIGINT (Ctrl-C) alike: checkpoint at the next step boundary,
+    `preempted`, exit 128 + signal, and a resume ends bit-identical to an uninterrupted run."""
     proc = start(tmp_path, "logger=none")
     wait_for_checkpoint(tmp_path, proc, 10)
     t0 = time.time()
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=30)
     assert time.time() - t0 < 30
-    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert proc.returncode == 128 + sig, out[-3000:]
+    assert f"continue with: python train.py" in out and "resume=auto" in out
+    assert "Traceback" not in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     ckpt = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
     assert summary["status"] == "preempted" and summary["steps"] == ckpt["state"]["step"]
@@ -129,13 +136,13 @@ def test_fault_during_checkpoint_write_leaves_the_previous_one(cfg_factory, monk
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", broken_save)
-    state = run.loop.TrainState(**{**blob["state"], "step": 99})
+    state = loop.TrainState(**{**blob["state"], "step": 99})
     model = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1)
+    prec = precision.build(group("precision", "fp32"), group("scaler"), torch.device("cpu"))
+    learner = loop.Learner(model, opt, optim.build_scheduler(group("scheduler"), opt, 2), prec)
     with pytest.raises(OSError, match="disk full"):
-        checkpoint.save(last, model=model, optimizer=opt, scaler=torch.amp.GradScaler("cpu"),
-                        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                        state=state, config={}, wandb_id=None)
+        checkpoint.save(last, learner, state, config={}, wandb_id=None)
     again = checkpoint.load(last)
     assert again["state"]["step"] == 2
     assert not list(last.parent.glob("*.tmp"))
@@ -147,14 +154,14 @@ def test_truncated_checkpoint_names_the_file(cfg_factory, tmp_path):
     last = Path(cfg.run_dir) / "checkpoints" / "last.pt"
     bad = tmp_path / "bad.pt"
     bad.write_bytes(last.read_bytes()[:1000])
-    with pytest.raises(ConfigError, match=r"bad\.pt.*truncated"):
+    with pytest.raises(CheckpointError, match=r"bad\.pt.*truncated"):
         checkpoint.load(bad)
 
 
 def test_checkpoint_that_would_run_code_is_refused(tmp_path):
     path = tmp_path / "evil.pt"
     torch.save({"format": 1, "payload": Path("/etc/passwd")}, path)  # any non-plain object
-    with pytest.raises(ConfigError, match="evil.pt"):
+    with pytest.raises(CheckpointError, match="evil.pt"):
         checkpoint.load(path)
 
 
@@ -163,7 +170,7 @@ def test_checkpoint_from_another_model_is_a_clear_error(cfg_factory, tmp_path):
     run.run(first)
     other = cfg_factory("model=resnet18", "trainer.max_steps=1",
                         f"resume={Path(first.run_dir)}", f"run_dir={tmp_path / 'other'}")
-    with pytest.raises(ConfigError, match="does not fit model"):
+    with pytest.raises(CheckpointError, match="model does not fit this run's model"):
         run.run(other)
 
 
@@ -183,11 +190,10 @@ def test_no_checkpoint_over_nan_batchnorm_statistics():
     with scaler.guard_bn_stats=false) would make every evaluation of the checkpoint NaN."""
     from torch import nn
 
-    from mixprec import loop
     from mixprec.safety import DivergenceGuard
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     guard, saved = DivergenceGuard(torch.device("cpu"), 3, 1.0), []
-    loop.save_if_healthy(saved.append, loop.TrainState(step=1), guard, model)
+    ledger.save_if_healthy(saved.append, loop.TrainState(step=1), guard, model)
     model[1].running_var[0] = float("nan")
-    loop.save_if_healthy(saved.append, loop.TrainState(step=2), guard, model)
+    ledger.save_if_healthy(saved.append, loop.TrainState(step=2), guard, model)
     assert [s.step for s in saved] == [1]

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from mixprec import diagnose, precision, report
-from mixprec.config import PrecisionConfig, ScalerConfig
 
-from conftest import ROOT, run_train
+
+from conftest import ROOT, group, run_train
 
 CPU = torch.device("cpu")
 
@@ -27,7 +27,8 @@ def rows(sweep: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_multirun_writes_the_report_and_the_cli_reproduces_it(tmp_path):
-    proc = run_train(["-m", "precision=fp32,bf16", "trainer.max_steps=4", f"hydra.sweep.dir={tmp_path}"])
+    proc = run_train(["-m", "precision=fp32,bf16", "trainer.max_steps=12", "trainer.perf_warmup_steps=2",
+                      f"hydra.sweep.dir={tmp_path}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = rows(tmp_path)
     assert [r["precision"] for r in table] == ["fp32", "bf16"]
@@ -49,17 +50,19 @@ def test_multirun_writes_the_report_and_the_cli_reproduces_it(tmp_path):
 def test_failed_jobs_are_failed_rows_and_the_sweep_goes_on(tmp_path):
     proc = run_train(["-m", "batch=0,16", "trainer.max_steps=2", "logger=none",
                       f"hydra.sweep.dir={tmp_path}"])
-    assert proc.returncode == 1  # Hydra reports the failed job once every job has run
+    assert proc.returncode == 2  # the first failed job's exit code, once every job has run
     table = {r["run"]: r for r in rows(tmp_path)}
     assert table["batch=0"]["status"] == "failed"
+    assert "batch=0 is not allowed" in table["batch=0"]["error"]
     assert table["batch=16"]["status"] == "completed"
     assert "batch=0 is not allowed" in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
 def test_optuna_preset_runs_two_trials(tmp_path):
     proc = run_train(["experiment=optuna_throughput", "hydra.sweeper.n_trials=2",
-                      "model.compile=choice(false)", "batch=choice(16,32)", "trainer.max_steps=6",
+                      "model.compile=choice(false)", "batch=choice(16,32)", "trainer.max_steps=14",
                       "trainer.perf_warmup_steps=2", "logger=none", f"hydra.sweep.dir={tmp_path}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     import yaml
@@ -85,7 +88,7 @@ class Tiny(nn.Module):
 
 
 def amp_of(name, dtype=None):
-    return precision.build(PrecisionConfig(name=name, autocast=dtype), ScalerConfig(), CPU)
+    return precision.build(group("precision", name), group("scaler"), CPU)
 
 
 def test_dtype_audit_and_alignment_on_a_tiny_model():
@@ -116,9 +119,9 @@ def test_grad_histograms_see_true_not_scaled_gradients():
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     seen = []
     diagnose.GradHistograms(model, opt, 1, lambda values, step: seen.append(values))
-    amp = precision.build(PrecisionConfig(name="amp", autocast="float16"),
-                          ScalerConfig(init_scale=65536.0), CPU)
-    loop.train_step(model, [(x, y)], nn.functional.cross_entropy, opt, amp, precision.StepWatch(opt))
+    amp = precision.build(group("precision", "amp"), group("scaler", init_scale=65536.0), CPU)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    loop.train_step(loop.Learner(model, opt, sched, amp), [(x, y)])
     assert seen and seen[0]["grad/abs_max"] == pytest.approx(true_max, rel=0.05)
     assert seen[0]["grad/all"].numel() == sum(p.numel() for p in model.parameters())
 

@@ -18,9 +18,9 @@ VAL_KEYS = {"step", "epoch", "val/loss", "val/acc1"}
 SUMMARY_KEYS = {"status", "precision", "batch", "accum", "effective_batch", "world_size", "steps",
                 "samples_per_s", "peak_mem_gib", "val_acc1", "skipped_steps", "loss_scale", "mfu",
                 "wall_s"}
-# Shrinks any preset to a CPU-sized smoke run.
-TINY = ["batch=2", "accum=1", "trainer.max_steps=2", "data.shape=[3,32,32]", "data.num_classes=10",
-        "data.val_steps=1"]
+# Shrinks any preset to a CPU-sized smoke run (GPU presets included: needs_gpu=false).
+TINY = ["batch=2", "accum=1", "trainer.max_steps=2", "needs_gpu=false"]
+TINY_SYNTHETIC = ["data.shape=[3,32,32]", "data.num_classes=10", "data.val_steps=1"]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -49,7 +49,8 @@ def test_every_experiment_preset_runs_two_steps(cfg_factory, preset):
     # experiment=fast compiles ResNet-50: minutes on a 2-core CPU. Compile itself is tested on a
     # tiny model (test_speed.py); here the rest of the preset runs eagerly.
     eager = ["model.compile=false"] if preset == "fast" else []
-    cfg = cfg_factory(f"experiment={preset}", *TINY, *eager)
+    synthetic = cfg_factory(f"experiment={preset}").data.name == "synthetic"
+    cfg = cfg_factory(f"experiment={preset}", *TINY, *eager, *(TINY_SYNTHETIC if synthetic else []))
     run.run(cfg)
     d = Path(cfg.run_dir)
     summary = json.loads((d / "summary.json").read_text())
@@ -113,7 +114,7 @@ def test_report_table_has_ratios_to_fp32(tmp_path):
 
 
 def test_mfu_is_reported_when_the_peak_is_known(cfg_factory):
-    cfg = cfg_factory("+hardware.peak_tflops.fp32=0.5", "trainer.max_steps=4")
+    cfg = cfg_factory("+hardware.peak_tflops.fp32=0.5", "trainer.max_steps=12")
     summary = run.run(cfg)
     rows = [r for r in read_jsonl(Path(cfg.run_dir) / "metrics.jsonl") if "perf/mfu" in r]
     assert 0 < summary["mfu"] < 1 and rows and all(0 < r["perf/mfu"] < 1 for r in rows)

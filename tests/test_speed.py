@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from mixprec import models, optim, run
-from mixprec.config import ConfigError, ModelConfig, OptimizerConfig, validate
+from mixprec.config import validate
 from mixprec.data.loaders import prefetch, prefetch_in_thread
+from mixprec.errors import ConfigError
+
+from conftest import group
 
 SYNTH = ["data=synthetic", "data.shape=[3,16,16]", "data.num_classes=10", "batch=8",
          "model=resnet18", "trainer.max_steps=3"]
@@ -79,9 +82,8 @@ def test_channels_last_reaches_the_model_and_its_inputs(cfg_factory):
     model = models.build(c.model, 10, (3, 16, 16), torch.device("cpu"))
     assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
     assert not model.conv1.weight.is_contiguous()
-    from mixprec import data, hardware
-    d = data.build(c.data, hardware.resolve(c.hardware), 8, torch.device("cpu"), 0,
-                   channels_last=True)
+    from mixprec import data
+    d = data.build(c.data, data.Context(8, torch.device("cpu"), 0, channels_last=True))
     x, _ = next(iter(d.train))
     assert x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
     assert run.run(cfg_factory(*SYNTH, "model.channels_last=true"))["status"] == "completed"
@@ -127,19 +129,19 @@ def test_staging_thread_keeps_order_stays_bounded_and_raises_errors():
 def test_optimizer_kernels_follow_the_config():
     model = torch.nn.Linear(4, 4)
     cpu = torch.device("cpu")
-    opt = optim.build_optimizer(OptimizerConfig(foreach=True), model, 0.1, cpu)
+    opt = optim.build_optimizer(group("optimizer", "sgd", foreach=True), model, 0.1, cpu)
     assert opt.defaults["foreach"] is True and not opt.defaults.get("fused")
-    opt = optim.build_optimizer(OptimizerConfig(), model, 0.1, cpu)  # fused only on CUDA
+    opt = optim.build_optimizer(group("optimizer", "sgd"), model, 0.1, cpu)  # fused only on CUDA
     assert not opt.defaults.get("fused")
     with pytest.raises(ConfigError, match="optimizer.fused"):
-        OptimizerConfig(fused=True, foreach=True)
+        group("optimizer", "sgd", fused=True, foreach=True)
 
 
 def sgd_under_a_scaler(fused: bool, overflow_at=(0, 3), steps=6):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(),
                                 torch.nn.Linear(8 * 6 * 6, 4))
-    opt = optim.build_optimizer(OptimizerConfig(name="sgd", fused=fused, foreach=not fused),
+    opt = optim.build_optimizer(group("optimizer", "sgd", fused=fused, foreach=not fused),
                                 model, 0.1, torch.device("cpu"))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     for step in range(steps):
@@ -165,8 +167,8 @@ def test_fused_sgd_under_a_scaler_skipping_its_first_step_trains_exactly_like_fo
     assert scale_f == scale_r == 2.0**10 / 4  # both overflows were skipped and backed off
     for a, b in zip(fused, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert optim.use_fused(OptimizerConfig(name="sgd"), "cuda")  # the CUDA default, amp included
-    assert not optim.use_fused(OptimizerConfig(name="sgd"), "cpu")
+    assert optim.use_fused(group("optimizer", "sgd"), "cuda")  # the CUDA default, amp included
+    assert not optim.use_fused(group("optimizer", "sgd"), "cpu")
 
 
 def test_batch_search_leaves_cudnn_benchmark_as_it_was_even_on_error():

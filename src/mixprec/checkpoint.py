@@ -10,16 +10,33 @@ import dataclasses
 import logging
 import os
 import random
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from .config import ConfigError
+from omegaconf import MISSING
+
+from .errors import CheckpointError, ConfigError, check
 
 log = logging.getLogger(__name__)
 FORMAT = 1
+KEYS = ("model", "optimizer", "scaler", "scheduler", "state", "rng", "wandb_id", "config")
+
+
+@dataclass
+class CkptConfig:
+    """ckpt.* in conf/train.yaml"""
+
+    every_steps: Optional[int] = MISSING  # write checkpoints/last.pt every N optimizer steps; null = end only
+    keep: int = MISSING  # how many step-numbered checkpoints to keep beside last.pt
+
+    def __post_init__(self) -> None:
+        check(self.every_steps is None or self.every_steps >= 1, "ckpt.every_steps",
+              self.every_steps, "null or an int >= 1")
+        check(self.keep >= 1, "ckpt.keep", self.keep, "an int >= 1")
 
 
 def rng_state() -> dict[str, Any]:
@@ -45,16 +62,18 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
-def save(path: Path, *, model, optimizer, scaler, scheduler, state, config: dict,
-         wandb_id: str | None, keep: int = 1) -> Path:
+def save(path: Path, learner, state, config: dict, wandb_id: str | None, keep: int = 1) -> Path:
+    """last.pt (a hard link to the newest step_N.pt) for the learner (model, optimizer, scaler,
+    scheduler) and the loop state, plus the RNG states, W&B run id and the config that ran."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    blob = {"format": FORMAT, "model": unwrap(model).state_dict(),
-            "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-            "scheduler": scheduler.state_dict(), "state": dataclasses.asdict(state),
+    blob = {"format": FORMAT, "model": unwrap(learner.model).state_dict(),
+            "optimizer": learner.optimizer.state_dict(),
+            "scaler": learner.precision.scaler.state_dict(),
+            "scheduler": learner.scheduler.state_dict(), "state": dataclasses.asdict(state),
             "rng": rng_state(), "wandb_id": wandb_id, "config": config}
     step_path = path.parent / f"step_{state.step:08d}.pt"
     _atomic_save(blob, step_path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     os.link(step_path, tmp)  # last.pt is the newest step file under a stable name
     os.replace(tmp, path)
@@ -64,7 +83,7 @@ def save(path: Path, *, model, optimizer, scaler, scheduler, state, config: dict
 
 
 def _atomic_save(blob: dict, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
             torch.save(blob, f)
@@ -86,7 +105,7 @@ def find(resume: str, run_dir: Path) -> Path | None:
     if resume == "auto":
         p = run_dir / "checkpoints" / "last.pt"
         return p if p.exists() else None
-    p = Path(resume)
+    p = Path(resume).expanduser()
     if p.is_dir():
         p = p / "checkpoints" / "last.pt" if (p / "checkpoints").is_dir() else p / "last.pt"
     if not p.is_file():
@@ -96,33 +115,69 @@ def find(resume: str, run_dir: Path) -> Path | None:
 
 
 def load(path: Path) -> dict[str, Any]:
+    """The checkpoint's contents, or a CheckpointError naming the file and what is wrong."""
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, corrupted, or holding objects that would run code
-        raise ConfigError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200]}); it is truncated, corrupted or not "
-                          "a mixprec checkpoint") from None
+    except Exception as e:  # empty, truncated, corrupted, or holding objects that would run code
+        lines = str(e).strip().splitlines()
+        why = f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} cannot be loaded ({why}); it is empty, "
+                              "truncated, corrupted or not a mixprec checkpoint") from None
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
-        raise ConfigError(f"checkpoint {path} is not a mixprec checkpoint (format "
-                          f"{blob.get('format') if isinstance(blob, dict) else type(blob).__name__})")
+        got = blob.get("format") if isinstance(blob, dict) else type(blob).__name__
+        raise CheckpointError(f"checkpoint {path} is not a mixprec checkpoint (format {got!r}, "
+                              f"expected {FORMAT})")
+    missing = [k for k in KEYS if k not in blob]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is incomplete: it has no {', '.join(missing)}")
     return blob
 
 
-def restore(blob: dict, path: Path, *, model, optimizer, scaler, scheduler, state_cls):
-    """Load every piece back; returns the TrainState to continue from."""
-    try:
-        unwrap(model).load_state_dict(blob["model"])
-    except RuntimeError as e:
-        raise ConfigError(f"checkpoint {path} does not fit model "
-                          f"{blob['config'].get('model', {}).get('name', '?')} -> this run's "
-                          f"model: {str(e).splitlines()[0][:300]}") from None
-    optimizer.load_state_dict(blob["optimizer"])
-    scheduler.load_state_dict(blob["scheduler"])
+def check_fits(blob: dict, path: Path, run: dict) -> None:
+    """A resumed run must continue with the batch layout the checkpoint was written with: its
+    LR schedule and its position in the data are counted in those units."""
+    saved = blob["state"].get("layout") or {}
+    differ = {k: (saved[k], run[k]) for k in run if k in saved and saved[k] != run[k]}
+    if differ:
+        what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in differ.items())
+        raise CheckpointError(
+            f"checkpoint {path} was written with another batch layout ({what}); the restored LR "
+            "schedule and data position would not match. Resume with the same batch, accum and "
+            "world size, or start a new run (no resume) from scratch")
+
+
+def restore(blob: dict, path: Path, learner) -> dict:
+    """Load every piece back into the learner; returns the saved loop state (a dict)."""
+    model_name = (blob["config"].get("model") or {}).get("name", "?")
+    _load(path, "model", lambda: unwrap(learner.model).load_state_dict(blob["model"]),
+          f"does not fit this run's model (it was written for {model_name})")
+    _load(path, "optimizer", lambda: _load_optimizer(learner.optimizer, blob["optimizer"]),
+          "holds another optimizer's state (optimizer=... differs from the run that wrote it)")
+    _load(path, "scheduler", lambda: learner.scheduler.load_state_dict(blob["scheduler"]),
+          "holds another LR schedule's state")
+    scaler = learner.precision.scaler
     if scaler.is_enabled() and not blob["scaler"]:
         log.warning("checkpoint %s was written without a GradScaler (precision=%s); this run "
                     "starts a fresh scaler at init_scale=%g", path,
-                    blob["config"].get("precision", {}).get("name", "?"), scaler._init_scale)
+                    (blob["config"].get("precision") or {}).get("name", "?"), scaler._init_scale)
     elif scaler.is_enabled():
-        scaler.load_state_dict(blob["scaler"])
+        _load(path, "scaler", lambda: scaler.load_state_dict(blob["scaler"]), "bad scaler state")
     set_rng_state(blob["rng"])
-    return state_cls(**blob["state"])
+    return blob["state"]
+
+
+def _load_optimizer(optimizer, saved: dict) -> None:
+    groups = optimizer.state_dict()["param_groups"]
+    keys = {k for g in groups for k in g if k != "params"}
+    saved_keys = {k for g in saved.get("param_groups", []) for k in g if k != "params"}
+    if keys != saved_keys:  # torch loads a foreign optimizer's state silently, then fails later
+        raise ValueError(f"param group keys {sorted(saved_keys ^ keys)} differ")
+    optimizer.load_state_dict(saved)
+
+
+def _load(path: Path, part: str, load_it, meaning: str) -> None:
+    try:
+        load_it()
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise CheckpointError(f"checkpoint {path}: its {part} {meaning} ({first})") from None

@@ -1,11 +1,11 @@
-"""The seeds' diagnostics, as measurements.
+"""Mixed-precision troubleshooting, as measurements.
 
 - dtype audit: under this run's autocast, which modules computed in fp16/bf16 and which stayed in
-  fp32, weighted by their share of the forward FLOPs (the seeds' "check which ops did not use FP16",
-  made quantitative).
+  fp32, weighted by their share of the forward FLOPs ("check which ops did not use FP16", made
+  quantitative).
 - tensor-core alignment: Conv/Linear layers whose *channel/feature* counts are not multiples of 8
-  (the seed's "kernel size must be a multiple of 8" is a misreading: 3x3 and 7x7 kernels are fine),
-  with their FLOP share: the cost of padding them is bounded by that share.
+  (the kernel size does not matter: 3x3 and 7x7 kernels are fine), with their FLOP share: the cost
+  of padding them is bounded by that share.
 - gradient histograms of the true (unscaled) gradients to W&B (GradHistograms).
 - the loss-scale history plot (loss_scale_plot).
 
@@ -131,12 +131,12 @@ class GradHistograms:
             self.log({"grad/all": allg.cpu(), "grad/abs_max": allg.abs().max().item()}, self.calls)
 
 
-def on_run(model: nn.Module, optimizer, x: torch.Tensor, amp, tracker, run_dir: Path,
+def on_run(model: nn.Module, optimizer, x: torch.Tensor, prec, tracker, run_dir: Path,
            every: int) -> None:
     """diagnose=true: the audit into the run dir and W&B, then gradient histograms as it trains."""
     import logging
-    result = audit(model, x, amp.autocast)
-    (run_dir / "diagnose.md").write_text(markdown(result, amp.name))
+    result = audit(model, x, prec.autocast)
+    (run_dir / "diagnose.md").write_text(markdown(result, prec.name))
     (run_dir / "diagnose.json").write_text(json.dumps(result, indent=1))
     logging.getLogger("mixprec").info(
         "diagnose: %.1f%% of forward FLOPs in fp16/bf16; %d misaligned layers (%.2f%% of FLOPs); "
@@ -168,16 +168,12 @@ def loss_scale_plot(run_dir: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m mixprec.diagnose [overrides...]`: the audit for a config, without training."""
-    from hydra import compose, initialize_config_dir
+    from .build import audit_inputs
+    from .config import compose_config, validate
 
-    from .config import register_configs
-    from .run import diagnose_only
-
-    register_configs()
-    conf = Path(__file__).resolve().parents[2] / "conf"
-    with initialize_config_dir(str(conf), version_base="1.3"):
-        cfg = compose("train", overrides=["run_dir=.", *(argv if argv is not None else sys.argv[1:])])
-    print(diagnose_only(cfg))
+    cfg = compose_config(argv if argv is not None else sys.argv[1:])
+    model, x, prec = audit_inputs(validate(cfg))
+    print(markdown(audit(model, x, prec.autocast), prec.name))
 
 
 if __name__ == "__main__":

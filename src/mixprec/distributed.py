@@ -30,6 +30,14 @@ class Dist:
     def enabled(self) -> bool:
         return self.world > 1
 
+    def no_sync(self, model: nn.Module):
+        """Skip the gradient all-reduce (all but the last micro-batch of an accumulation)."""
+        return no_sync(model)
+
+    def reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """A reduced copy over all ranks (sum or max); the tensor itself in a world of one."""
+        return all_reduce(t, op)
+
 
 def _env_world() -> tuple[int, int, int] | None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun

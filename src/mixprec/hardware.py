@@ -1,7 +1,9 @@
 """Hardware profiles: which device, cuDNN/loader defaults, peak TFLOP/s per dtype, memory.
 
-The profiles live in conf/hardware/*.yaml; `auto` picks the one whose `gpu_match` occurs in the
-CUDA device name (or `cpu` without a GPU) and falls back to a generic profile for unknown GPUs.
+The profiles are the options of conf/hardware/ (one card each); `auto` picks the one whose
+`gpu_match` occurs in the CUDA device name (or `cpu` without a GPU) and falls back to the generic
+`cuda` profile for unknown GPUs. Profiles are loaded through Hydra (run.py hands `resolve` the
+loader), so a profile added on Hydra's search path is found like the shipped ones.
 """
 from __future__ import annotations
 
@@ -10,75 +12,103 @@ import logging
 import resource
 import sys
 from contextlib import contextmanager
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import MISSING
 
-from .config import ConfigError, HardwareConfig
+from .errors import ConfigError, check, one_of
 
 log = logging.getLogger(__name__)
 GIB = 1024**3
-PROFILE_DIR = Path(__file__).resolve().parents[2] / "conf" / "hardware"
+PEAK_KEYS = ("fp32", "tf32", "fp16", "bf16")
 
 
-def load_profile(name: str) -> HardwareConfig:
-    path = PROFILE_DIR / f"{name}.yaml"
-    schema = OmegaConf.structured(HardwareConfig)
-    return OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.load(path)))  # type: ignore
+@dataclass
+class HardwareConfig:
+    """conf/hardware/*.yaml (the GPU cards extend the generic `cuda` profile)"""
+
+    name: str = MISSING  # the profile (auto, cpu, cuda, rtx3090, a100, h100, h200)
+    device: str = MISSING  # auto, cpu or cuda
+    gpu_match: Optional[str] = None  # substring of torch.cuda.get_device_name() this profile is for
+    memory_gib: Optional[float] = None  # the card's memory; caps this process (emulates the card)
+    peak_tflops: Dict[str, float] = field(default_factory=dict)  # dense peak per dtype, for MFU
+    cudnn_benchmark: bool = MISSING  # let cuDNN time its conv algorithms (static shapes)
+    num_workers: int = MISSING  # DataLoader worker processes for on-disk datasets
+    pin_memory: bool = MISSING  # page-locked host batches for async host->device copies
+    persistent_workers: bool = MISSING  # keep loader workers alive across epochs
+
+    def __post_init__(self) -> None:
+        one_of("hardware.device", self.device, ("auto", "cpu", "cuda"))
+        check(self.memory_gib is None or self.memory_gib > 0, "hardware.memory_gib",
+              self.memory_gib, "null or > 0")
+        bad = sorted(set(self.peak_tflops) - set(PEAK_KEYS))
+        check(not bad, "hardware.peak_tflops", bad, "keyed by " + ", ".join(PEAK_KEYS))
+        check(self.num_workers >= 0, "hardware.num_workers", self.num_workers, ">= 0")
 
 
-def match_profile(gpu_name: str) -> str | None:
-    """The profile whose gpu_match occurs in gpu_name (longest match wins), else None."""
-    best = None
-    for path in sorted(PROFILE_DIR.glob("*.yaml")):
-        match = OmegaConf.load(path).get("gpu_match")
-        if match and match.lower() in gpu_name.lower() and (best is None or len(match) > best[0]):
-            best = (len(match), path.stem)
-    return best[1] if best else None
+Load = Callable[[str], HardwareConfig]  # profile name -> the profile (through Hydra)
 
 
-def resolve(hw: HardwareConfig) -> HardwareConfig:
+@dataclass
+class Profiles:
+    """The hardware profiles Hydra knows: `names` and a loader for one of them."""
+
+    names: list[str]
+    load: Load
+
+    def match(self, gpu_name: str) -> str | None:
+        """The profile whose gpu_match occurs in gpu_name (longest match wins), else None."""
+        best = None
+        for name in self.names:
+            match = self.load(name).gpu_match
+            if match and match.lower() in gpu_name.lower() and (best is None or len(match) > best[0]):
+                best = (len(match), name)
+        return best[1] if best else None
+
+
+def resolve(hw: HardwareConfig, profiles: Profiles) -> HardwareConfig:
     """Turn `auto` into a concrete profile, keeping what the user overrode (hardware.memory_gib=3
     with hardware=auto still caps memory); check that a CUDA profile has a GPU to run on."""
     if hw.name == "auto" or hw.device == "auto":
-        base = load_profile("auto")
+        base = profiles.load("auto")
         overrides = {f.name: getattr(hw, f.name) for f in dataclasses.fields(hw)
                      if f.name not in ("name", "device", "gpu_match")
                      and getattr(hw, f.name) != getattr(base, f.name)}
-        return dataclasses.replace(_auto(), **overrides)
+        return dataclasses.replace(_auto(profiles), **overrides)
     if hw.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"hardware={hw.name} needs a CUDA GPU and none is visible; "
                           "use hardware=auto or hardware=cpu")
-    return _emulated(hw) if hw.device == "cuda" else hw
+    return _emulated(hw, profiles) if hw.device == "cuda" else hw
 
 
-def _emulated(hw: HardwareConfig) -> HardwareConfig:
+def _emulated(hw: HardwareConfig, profiles: Profiles) -> HardwareConfig:
     """A profile for another card (hardware=rtx3090 on an H200) emulates its memory, not its
     speed: MFU is measured against the peaks of the GPU that really runs (unless overridden)."""
     gpu = torch.cuda.get_device_name()
     if not hw.gpu_match or hw.gpu_match.lower() in gpu.lower():
         return hw
-    if hw.peak_tflops != load_profile(hw.name).peak_tflops:  # the user set them: keep them
+    if hw.peak_tflops != profiles.load(hw.name).peak_tflops:  # the user set them: keep them
         return hw
-    real = match_profile(gpu)
-    peaks = load_profile(real).peak_tflops if real else {}
+    real = profiles.match(gpu)
+    peaks = profiles.load(real).peak_tflops if real else {}
     log.info("hardware=%s on a %s: its memory is emulated; MFU uses the %s peaks", hw.name, gpu,
              real or "unknown (so MFU is null)")
     return dataclasses.replace(hw, peak_tflops=peaks)
 
 
-def _auto() -> HardwareConfig:
+def _auto(profiles: Profiles) -> HardwareConfig:
     if not torch.cuda.is_available():
-        return load_profile("cpu")
+        return profiles.load("cpu")
     gpu = torch.cuda.get_device_name()
-    name = match_profile(gpu)
+    name = profiles.match(gpu)
     if name is None:
         log.warning("hardware=auto: no profile matches %r; using generic CUDA defaults "
                     "(no peak TFLOP/s, so MFU is null)", gpu)
         total = torch.cuda.get_device_properties(0).total_memory / GIB
-        return dataclasses.replace(load_profile("cuda"), memory_gib=round(total, 1))
-    return load_profile(name)
+        return dataclasses.replace(profiles.load("cuda"), memory_gib=round(total, 1))
+    return profiles.load(name)
 
 
 def setup(hw: HardwareConfig, local_rank: int = 0) -> torch.device:
@@ -131,6 +161,11 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     peak = peak_kib / (GIB if sys.platform == "darwin" else 1024**2)
     return {"mem/allocated_gib": rss, "mem/reserved_gib": rss, "mem/peak_gib": max(peak, rss)}
+
+
+def memory_kind(device: torch.device) -> str:
+    """What the mem/* numbers measure on this device."""
+    return "CUDA allocator" if device.type == "cuda" else "process RSS"
 
 
 def _rss_bytes() -> int:

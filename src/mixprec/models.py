@@ -5,16 +5,43 @@ from __future__ import annotations
 import difflib
 import logging
 import time
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
 
 import timm
 import torch
+from omegaconf import MISSING
 from timm.models import register_model
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from .config import ConfigError, ModelConfig
+from .errors import ConfigError, check, one_of
 
 log = logging.getLogger(__name__)
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclass
+class ModelConfig:
+    """conf/model/*.yaml name the model; the switches' defaults are in conf/train.yaml."""
+
+    name: str = MISSING  # any timm model name (timm.list_models())
+    channels_last: bool = MISSING  # NHWC memory format (faster convs on tensor cores)
+    compile: bool = MISSING  # torch.compile the model
+    compile_mode: Optional[str] = MISSING  # torch.compile mode: null, reduce-overhead, max-autotune
+    compile_options: Dict[str, Any] = MISSING  # inductor options on top of the mode
+    cuda_graphs: bool = MISSING  # capture forward+backward once, replay it (static shapes, GPU only)
+    grad_checkpointing: bool = MISSING  # recompute activations in backward: less memory, more compute
+    kwargs: Dict[str, Any] = MISSING  # extra timm.create_model arguments
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+        one_of("model.compile_mode", self.compile_mode, COMPILE_MODES)
+        check(self.compile or not self.compile_options, "model.compile_options",
+              dict(self.compile_options), "{} unless model.compile=true")
+        check(not (self.cuda_graphs and (self.compile or self.grad_checkpointing)),
+              "model.cuda_graphs", self.cuda_graphs, "false with model.compile or "
+              "model.grad_checkpointing (compile_mode=reduce-overhead graphs a compiled model)")
 
 
 class DigitsCNN(nn.Module):
@@ -78,13 +105,10 @@ def check_name(name: str) -> None:
 def build(mcfg: ModelConfig, num_classes: int, input_shape: tuple[int, int, int],
           device: torch.device) -> nn.Module:
     """The model on its device, in its memory format, materialised, and compiled if asked."""
-    check_name(mcfg.name)
     model = timm.create_model(mcfg.name, pretrained=False, num_classes=num_classes,
                               in_chans=input_shape[0], **mcfg.kwargs)
     model.to(device)
-    with torch.no_grad():  # materialise lazy layers before the optimizer sees the parameters
-        model.eval()(torch.zeros(1, *input_shape, device=device))
-        model.train()
+    _materialise(model, mcfg.name, input_shape, device)
     if mcfg.grad_checkpointing:
         model = enable_grad_checkpointing(model, mcfg.name)
     if mcfg.channels_last:
@@ -97,6 +121,21 @@ def build(mcfg: ModelConfig, num_classes: int, input_shape: tuple[int, int, int]
                  "steps compile (excluded from samples_per_s by trainer.perf_warmup_steps)",
                  mcfg.compile_mode, dict(mcfg.compile_options), time.perf_counter() - t0)
     return model
+
+
+def _materialise(model: nn.Module, name: str, input_shape, device: torch.device) -> None:
+    """One forward on zeros: lazy layers get their shapes before the optimizer sees the
+    parameters, and a model that cannot take the data's input says so before any training."""
+    try:
+        with torch.no_grad():
+            model.eval()(torch.zeros(1, *input_shape, device=device))
+    except (RuntimeError, AssertionError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"model.name={name!r} cannot take this data's input of shape "
+                          f"{tuple(input_shape)} ({first}); pick a model for that input size "
+                          "(e.g. model=digits_cnn for data=digits; vit/convnext models want "
+                          "ImageNet-sized images such as data=synthetic)") from None
+    model.train()
 
 
 def compile_model(model: nn.Module, mode: str | None, options: dict) -> nn.Module:
@@ -114,16 +153,16 @@ def compile_model(model: nn.Module, mode: str | None, options: dict) -> nn.Modul
                           "(allowed: the keys of torch._inductor.config)") from None
 
 
-def capture_graphs(model: nn.Module, example: torch.Tensor, amp) -> nn.Module:
+def capture_graphs(model: nn.Module, example: torch.Tensor, prec) -> nn.Module:
     """model.cuda_graphs: forward and backward captured once as CUDA graphs
     (torch.cuda.make_graphed_callables) and replayed every training step, so the CPU launches
     one graph instead of hundreds of kernels. Evaluation (model.eval()) runs the eager forward."""
     if example.device.type != "cuda":
         raise ConfigError("model.cuda_graphs=true captures CUDA graphs and needs a GPU; set it "
                           "false on the CPU")
-    amp.cache = False  # torch: autocast's cast cache must be off around graphed callables
+    prec.cache = False  # torch: autocast's cast cache must be off around graphed callables
     t0 = time.perf_counter()
-    with amp.autocast():
+    with prec.autocast():
         graphed = torch.cuda.make_graphed_callables(model, (example,))
     log.info("model.cuda_graphs: forward+backward captured for a batch of %d in %.1fs (3 warm-up "
              "passes); every training step now replays them", len(example),

@@ -1,10 +1,16 @@
 """Honest throughput: the GPU is synchronised at every measurement boundary (log events, the end
-of warm-up, around evaluation), so a number never counts work that was only queued."""
+of warm-up, around evaluation), so a number never counts work that was only queued; a run with
+too few steps after its warm-up reports no number rather than a meaningless one."""
 from __future__ import annotations
 
+import logging
 import time
+from contextlib import contextmanager
 
 import torch
+
+log = logging.getLogger(__name__)
+MIN_TIMED_STEPS = 10  # fewer steps after warm-up than this: samples_per_s is null
 
 
 class Throughput:
@@ -15,8 +21,8 @@ class Throughput:
         self._win_samples = self._win_attempts = 0
         self._steady = None  # (time, samples) when warm-up ended
         self._paused = 0.0  # seconds spent outside training (evaluation) since warm-up
-        self._t_pause = None
         self.steady_rate = None
+        self.timed_steps = 0  # steps attempted inside the steady-state measurement
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -30,6 +36,7 @@ class Throughput:
             self._steady = (self._t_start, 0)
 
     def count(self, samples: int) -> None:
+        self.timed_steps += self._steady is not None
         self.samples += samples
         self._win_samples += samples
         self._win_attempts += 1
@@ -46,28 +53,37 @@ class Throughput:
         self._t_win, self._paused_win, self._win_samples, self._win_attempts = now, 0.0, 0, 0
         return rate, step_ms
 
-    def pause(self) -> None:
-        self._t_pause = self._now()
-
-    def resume(self) -> None:
-        gap = self._now() - self._t_pause
-        self._paused_win += gap
-        if self._steady is not None:
-            self._paused += gap
+    @contextmanager
+    def paused(self):
+        """Time spent in the block (evaluation) is not training time."""
+        start = self._now()
+        try:
+            yield
+        finally:
+            gap = self._now() - start
+            self._paused_win += gap
+            if self._steady is not None:
+                self._paused += gap
 
     def stop(self) -> None:
         end = self._now()
         t0, s0 = self._steady if self._steady else (self._t_start, 0)
         dt = end - t0 - self._paused
         self.steady_rate = (self.samples - s0) / dt if dt > 0 and self.samples > s0 else None
+        if self.steady_rate is not None and self.timed_steps < MIN_TIMED_STEPS:
+            log.warning("samples_per_s: only %d steps ran after the %d warm-up steps, too few to "
+                        "time (%d needed); it is null in the summary. Train longer "
+                        "(trainer.max_steps) or lower trainer.perf_warmup_steps",
+                        self.timed_steps, self.warmup_steps, MIN_TIMED_STEPS)
+            self.steady_rate = None
 
 
 def train_flops_per_sample(model: torch.nn.Module, input_shape, num_classes: int,
                            device: torch.device, autocast, batch: int = 2) -> int:
     """Forward + backward FLOPs of one sample, counted once by torch.utils.flop_counter on a copy
     of the real model (so BatchNorm statistics and gradients of the run are untouched).
-    A torch.compile'd model is counted on its eager module: on torch 2.11 a compiled forward
-    first called under FlopCounterMode was never compiled afterwards (train.py then ran eager)."""
+    A torch.compile'd model is counted on its eager module: a compiled forward first called under
+    FlopCounterMode is not compiled for the real batch afterwards (benchmarks/RESULTS.md)."""
     import copy
 
     from torch.utils.flop_counter import FlopCounterMode

@@ -8,15 +8,53 @@ from __future__ import annotations
 import logging
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
+from omegaconf import MISSING
 from torch import nn
 from torch.amp import GradScaler
 
-from .config import ConfigError, PrecisionConfig, ScalerConfig
+from .errors import ConfigError, check
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrecisionConfig:
+    """conf/precision/*.yaml"""
+
+    name: str = MISSING  # the group option that chose this (fp32, tf32, amp, amp_accum, bf16)
+    autocast: Optional[str] = MISSING  # autocast dtype: null (off), float16 or bfloat16
+    tf32: bool = MISSING  # TF32 tensor cores for fp32 matmuls/convs (Ampere and later)
+    accum: int = MISSING  # default micro-batches per optimizer step (the top-level `accum` reads it)
+
+    def __post_init__(self) -> None:
+        check(self.autocast in (None, *_DTYPES), "precision.autocast", self.autocast,
+              "null, float16 or bfloat16")
+        check(self.accum >= 1, "precision.accum", self.accum, "an int >= 1")
+
+
+@dataclass
+class ScalerConfig:
+    """conf/scaler/*.yaml (dynamic holds the values; the other presets extend it)"""
+
+    name: str = MISSING  # the group option (dynamic, conservative, static, off)
+    enabled: bool = MISSING  # only takes effect with float16 autocast
+    init_scale: float = MISSING  # first loss scale (2^16 is torch's default; 2^12 the cautious start)
+    growth_factor: float = MISSING  # scale *= this after growth_interval overflow-free steps
+    backoff_factor: float = MISSING  # scale *= this on an overflow (and the step is skipped)
+    growth_interval: int = MISSING  # overflow-free steps before the scale grows
+    static: bool = MISSING  # keep init_scale fixed forever (overflowing steps are still skipped)
+    guard_bn_stats: bool = MISSING  # undo BatchNorm's running-stat update of an overflowing forward
+
+    def __post_init__(self) -> None:
+        check(self.init_scale > 0, "scaler.init_scale", self.init_scale, "> 0")
+        check(self.growth_factor > 1.0, "scaler.growth_factor", self.growth_factor, "> 1.0")
+        check(0.0 < self.backoff_factor < 1.0, "scaler.backoff_factor", self.backoff_factor,
+              "in (0, 1)")
+        check(self.growth_interval >= 1, "scaler.growth_interval", self.growth_interval, ">= 1")
+
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -35,6 +73,7 @@ class Precision:
     dtype: torch.dtype | None  # autocast dtype; None = autocast off
     tf32: bool
     scaler: GradScaler  # enabled only for float16 autocast with a scaler configured
+    guard_bn_stats: bool  # with an active scaler: BatchNormGuard puts overflowed stats back
     cache: bool = True  # autocast's weight-cast cache (off under CUDA graphs, as torch requires)
 
     def autocast(self) -> AbstractContextManager:
@@ -53,14 +92,19 @@ class Precision:
         """The current loss scale (1.0 when scaling is off). Reading it syncs the GPU."""
         return float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
 
+    @property
+    def scaling(self) -> bool:
+        """A GradScaler is active (float16 autocast with scaler enabled)."""
+        return self.scaler.is_enabled()
+
     def describe(self) -> str:
-        amp = f"autocast {str(self.dtype).replace('torch.', '')}" if self.dtype else "autocast off"
+        cast = f"autocast {str(self.dtype).replace('torch.', '')}" if self.dtype else "autocast off"
         s = self.scaler
         scale = (f"GradScaler init_scale={s._init_scale:g} growth={s._growth_factor:g} "
                  f"backoff={s._backoff_factor:g} interval={s._growth_interval}"
                  + (" (static)" if isinstance(s, StaticGradScaler) else "")
                  if s.is_enabled() else "GradScaler off")
-        return f"precision={self.name}: {amp}, {scale}, TF32 {'on' if self.tf32 else 'off'}"
+        return f"precision={self.name}: {cast}, {scale}, TF32 {'on' if self.tf32 else 'off'}"
 
 
 def set_tf32(enabled: bool) -> None:
@@ -89,7 +133,8 @@ def build(pcfg: PrecisionConfig, scfg: ScalerConfig, device: torch.device) -> Pr
                  backoff_factor=scfg.backoff_factor, growth_interval=scfg.growth_interval,
                  enabled=use_scaler)
     set_tf32(pcfg.tf32)
-    return Precision(pcfg.name, device.type, dtype, pcfg.tf32, scaler)
+    return Precision(pcfg.name, device.type, dtype, pcfg.tf32, scaler,
+                     guard_bn_stats=use_scaler and scfg.guard_bn_stats)
 
 
 class StepWatch:
@@ -134,12 +179,11 @@ class BatchNormGuard:
     BatchNorm updates its running mean and variance inside the forward pass, before GradScaler
     can skip the step: one forward that overflows in fp16 turns them NaN for good. Training then
     carries on (train mode normalises with the batch's own statistics), while every evaluation
-    and checkpoint after it is NaN (seen on the H200: val/loss nan from epoch 0 of a run whose
-    training loss recovered). The guard snapshots them before each forward and puts them back
-    when that forward's loss is not finite, on the device with no host sync: one concatenation
-    before, and a concatenation, a `where` and one foreach copy after the backward (which reads
-    the statistics' version counters). Always an object: off (no work at all) without a
-    GradScaler, with `scaler.guard_bn_stats=false`, or without BatchNorm layers.
+    and checkpoint after it is NaN. The guard snapshots them before each forward and puts them
+    back when that forward's loss is not finite, on the device with no host sync: one
+    concatenation before, and a concatenation, a `where` and one foreach copy after the backward.
+    Always an object: off (no work at all) without a GradScaler, with
+    `scaler.guard_bn_stats=false`, or without BatchNorm layers.
     """
 
     def __init__(self, model: nn.Module, enabled: bool) -> None:

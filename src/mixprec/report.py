@@ -4,23 +4,27 @@ Reads every job's summary.json and metrics.jsonl and writes, into the (first) di
 report.md and report.csv (one row per job, failed jobs included) and two PNGs: report_bars.png
 (throughput and peak memory per configuration) and report_curves.png (loss, loss scale and val
 accuracy over steps). The same table goes to the console and, with logger=wandb, to W&B as a
-wandb.Table. A Hydra callback (ReportCallback) keeps it up to date as each multirun job ends.
+wandb.Table. A Hydra callback (sweep.ReportCallback) keeps it up to date as each multirun job
+ends.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import logging
 import math
 from pathlib import Path
 from typing import Any
 
+from .tracking import read_jsonl
+
 log = logging.getLogger(__name__)
 
 COLUMNS = ["run", "status", "precision", "batch", "accum", "effective_batch", "samples_per_s",
            "speedup_vs_fp32", "peak_mem_gib", "mem_saving_vs_fp32", "mfu", "skipped_steps",
-           "loss_scale", "val_acc1", "max_batch", "max_batch_vs_fp32"]
+           "loss_scale", "val_acc1", "max_batch", "max_batch_vs_fp32", "error"]
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
@@ -54,18 +58,18 @@ def _labels(run_dirs: list[Path]) -> list[str]:
 
 def read_run(run: Path, label: str) -> dict[str, Any]:
     summary_path = run / "summary.json"
-    if summary_path.exists():
+    try:
         row = json.loads(summary_path.read_text())
-    else:  # failed before training started (e.g. a config error): only Hydra's files exist
+    except (OSError, ValueError):  # failed before training (a config error), or torn
         import yaml
         cfg = yaml.safe_load((run / ".hydra" / "config.yaml").read_text()) or {}
         row = {"status": "failed", "precision": (cfg.get("precision") or {}).get("name"),
-               "batch": cfg.get("batch")}
+               "batch": cfg.get("batch"), "error": "no summary.json (see the job's train.log)"}
     row["run"] = label
     row["dir"] = str(run)
+    row["overrides"] = _overrides(run)
     metrics = run / "metrics.jsonl"
-    row["curves"] = [json.loads(line) for line in metrics.read_text().splitlines()
-                     if line.strip()] if metrics.exists() else []
+    row["curves"] = read_jsonl(metrics) if metrics.exists() else []
     return row
 
 
@@ -77,11 +81,20 @@ def _num(v: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
+def _baseline(r: dict, runs: list[dict]) -> dict | None:
+    """The completed fp32 run with the same settings but precision (same model, batch, seed,
+    ...), or None: a speed-up is only a ratio between runs that differ in precision alone."""
+    def rest(run: dict) -> tuple:
+        return (tuple(sorted(o for o in run.get("overrides", []) if not o.startswith("precision="))),
+                run.get("model"), run.get("batch"), run.get("world_size"))
+    return next((b for b in runs if b.get("precision") == "fp32" and b.get("status") == "completed"
+                 and _num(b.get("samples_per_s")) and rest(b) == rest(r)), None)
+
+
 def build_table(runs: list[dict]) -> list[dict]:
-    base = next((r for r in runs if r.get("precision") == "fp32" and r.get("status") == "completed"
-                 and _num(r.get("samples_per_s"))), None)
     table = []
     for r in runs:
+        base = _baseline(r, runs)
         row = {c: r.get(c) for c in COLUMNS}
         sps, mem = _num(r.get("samples_per_s")), _num(r.get("peak_mem_gib"))
         if base and sps:
@@ -206,51 +219,28 @@ def write(paths: list[Path], out_dir: Path | None = None, to_wandb: bool | None 
 
 
 def _to_wandb(table: list[dict], files: list[Path], out_dir: Path, runs: list[dict]) -> None:
-    """One extra run (job_type=report) in the sweep's group, holding the table and the plots."""
+    """One report run (job_type=report) in the W&B project, entity, mode and group of the jobs,
+    holding the table and the plots. Its id comes from the sweep dir, so a rebuilt report
+    updates that run instead of adding another."""
+    settings = next((json.loads((Path(r["dir"]) / "wandb.json").read_text()) for r in runs
+                     if (Path(r["dir"]) / "wandb.json").exists()), None)
+    if settings is None:  # no job reached W&B: nothing to group the report with
+        log.info("report: no job of %s logged to W&B; the report stays local", out_dir)
+        return
     try:
         import wandb
-        from .tracking import wandb_mode
-        group = _group_of(Path(runs[0]["dir"]), out_dir)
-        run = wandb.init(project="mixprec", group=group, job_type="report", dir=str(out_dir),
-                         name=f"report-{out_dir.name}", mode=wandb_mode(None),
-                         reinit="finish_previous")
+        run_id = "report-" + hashlib.sha1(str(out_dir.resolve()).encode()).hexdigest()[:12]
+        run = wandb.init(project=settings["project"], entity=settings["entity"],
+                         group=settings["group"], mode=settings["mode"], job_type="report",
+                         dir=str(out_dir), id=run_id, resume="allow", name=f"report-{out_dir.name}",
+                         reinit="finish_previous",
+                         settings=wandb.Settings(init_timeout=settings["timeout_s"]))
         run.log({"report": wandb.Table(columns=COLUMNS, data=[[row[c] for c in COLUMNS]
                                                               for row in table]),
                  **{p.stem: wandb.Image(str(p)) for p in files if p.suffix == ".png"}})
         run.finish()
     except Exception as e:  # the local report is what matters
         log.warning("report: W&B logging failed (%s); local files are written", e)
-
-
-def _group_of(run_dir: Path, sweep_dir: Path) -> str:
-    """The W&B group the sweep's jobs used (run.py: logger.group, else <name>-<sweep dir>)."""
-    import yaml
-    cfg = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text()) or {}
-    return (cfg.get("logger") or {}).get("group") or f"{cfg.get('name', 'default')}-{sweep_dir.name}"
-
-
-from hydra.experimental.callback import Callback  # noqa: E402  (hydra-core >= 1.1)
-
-
-class ReportCallback(Callback):
-    """Keeps report.md/.csv/.png in the sweep dir up to date as each multirun job ends (so a sweep
-    that Hydra ends with a failed job's error still has its report, failed rows included), and
-    logs the final table to W&B when the multirun ends."""
-
-    def on_job_end(self, config, job_return=None, **kwargs) -> None:
-        if str(config.hydra.mode) == "RunMode.MULTIRUN":
-            self._write(Path(config.hydra.sweep.dir), to_wandb=False)
-
-    def on_multirun_end(self, config, **kwargs) -> None:
-        self._write(Path(config.hydra.sweep.dir), to_wandb=None)
-
-    @staticmethod
-    def _write(sweep_dir: Path, to_wandb: bool | None) -> None:
-        if sweep_dir.is_dir() and find_runs([sweep_dir]):
-            try:
-                write([sweep_dir], to_wandb=to_wandb)
-            except Exception as e:  # never turn a finished job or sweep into a failure
-                log.warning("report for %s failed: %s", sweep_dir, e)
 
 
 def main() -> None:

@@ -1,305 +1,188 @@
-"""Builds every object from the config, runs the loop, and always closes the logger.
-
-This is the only module that reads the config; everything it builds gets plain objects/numbers.
-"""
+"""One training job: validate the config, build its parts (build.py), then a Session trains in
+its run dir and always writes the summary and closes the logger. main() turns how a run ended
+into one clear message and its exit code (errors.py)."""
 from __future__ import annotations
 
+import json
 import logging
-import random
+import math
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
+from tqdm.contrib.logging import logging_redirect_tqdm
 
-from . import (batch_size, checkpoint, diagnose, distributed, hardware, loop, models, optim,
-               perf, precision)
-from . import data as datasets
-from .config import ConfigError, TrainConfig, validate
-from .safety import DivergenceGuard, Diverged, Preempted, StopSignals
-from .tracking import Tracker, wandb_mode
+from . import (batch_size, build, checkpoint, describe, diagnose, distributed, hardware, loop,
+               perf, rundir)
+from .config import validate
+from .errors import Diverged, MixprecError, OutOfMemory, Preempted
+from .ledger import Hooks, model_tensors
+from .safety import DivergenceGuard, StopSignals
+from .tracking import Tracker
 
 log = logging.getLogger("mixprec")
 
 
-EXIT_CONFIG, EXIT_DIVERGED = 2, 3  # preemption exits with 128 + the signal number
-
-
 def main(cfg: DictConfig) -> float | None:
-    """Hydra's task function: returns the objective (for sweepers such as Optuna); one clear
-    message and a distinct exit code for each way to stop. In a multirun a failed job raises, so
-    Hydra records it and the sweep goes on (the report shows it as a failed row)."""
+    """Hydra's task function: returns the objective (for sweepers such as Optuna). In a multirun
+    a failed job returns nan (a failed trial) and the sweep goes on; its row in report.md says
+    why, and the multirun exits with the first failed job's code (report.ReportCallback)."""
     try:
         return run(cfg)[cfg.objective]
-    except (ConfigError, Diverged) as e:  # an OOM is logged in run() and raised as it is
-        config = isinstance(e, ConfigError)
-        log.error("%s: %s", "config error" if config else "training diverged", e)
-        if _multirun():
-            raise
-        raise SystemExit(EXIT_CONFIG if config else EXIT_DIVERGED) from None
-    except Preempted as e:
-        log.warning("preempted (%s): checkpoint written; continue with resume=auto", e)
+    except MixprecError as e:
+        log.error("%s: %s", e.label, e)
+        if describe.multirun() and not isinstance(e, Preempted):
+            describe.record_failed_job(cfg, e)
+            return math.nan
         raise SystemExit(e.exit_code) from None
-
-
-def _multirun() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    return HydraConfig.initialized() and str(HydraConfig.get().mode) == "RunMode.MULTIRUN"
 
 
 def run(cfg: DictConfig) -> dict:
     """Train as configured; returns the summary (also written to summary.json)."""
-    c: TrainConfig = validate(cfg)
-    hw = hardware.resolve(c.hardware)
+    c = validate(cfg)
+    hw = build.resolve_hardware(c)
     dd = distributed.init(hw.device)  # world 1 unless started by torchrun / SLURM
     try:
-        return _run(c, cfg, hw, dd)
+        c.run_dir = distributed.broadcast_str(c.run_dir, dd)  # rank 0's Hydra run dir
+        run_dir = Path(c.run_dir)
+        with rundir.RunDirLock(run_dir) if dd.main else nullcontext():
+            if dd.main:
+                rundir.prepare(run_dir, c.resume, c.overwrite)
+            earlier = dd.main and rundir.holds_a_run(run_dir)
+            resolved, session = OmegaConf.to_container(cfg, resolve=True), None
+            try:
+                session = Session(build.build(c, hw, dd), resolved)
+                return session.train()
+            except MixprecError as e:  # e.g. a resume that failed: the summary must not say
+                if earlier and not (session and session.summary):  # `completed` any more
+                    describe.write_failed(run_dir, c, e)
+                raise
     finally:
         distributed.close()
 
 
-def _run(c: TrainConfig, cfg: DictConfig, hw, dd: distributed.Dist) -> dict:
-    device = hardware.setup(hw, dd.local_rank)
-    run_dir = Path(distributed.broadcast_str(c.run_dir, dd))  # rank 0's Hydra run dir
-    _seed_everything(c.seed + dd.rank)  # DDP copies rank 0's initial weights to every rank
-    amp = precision.build(c.precision, c.scaler, device)
-    models.check_name(c.model.name)  # fail fast, before any data is built
-    world = dd.world
-    batch, accum, max_batch = _choose_batch(c, hw, device, world)
-    effective_batch = batch * accum * world
-    data = datasets.build(c.data, hw, batch, device, c.seed, c.model.channels_last, dd.rank, world)
-    model = models.build(c.model, data.num_classes, data.input_shape, device)
-    peak = hw.peak_tflops.get(amp.peak_key)
-    flops = (perf.train_flops_per_sample(model, data.input_shape, data.num_classes, device,
-                                         amp.autocast)
-             if peak else None)  # MFU needs a known peak: skip the count where there is none
-    if c.model.cuda_graphs:  # a fixed batch shape: the one every training step has
-        model = models.capture_graphs(model, _example(c, data.input_shape, device, batch), amp)
-    lr = optim.scaled_lr(c.optimizer, effective_batch)
-    optimizer = optim.build_optimizer(c.optimizer, model, lr, device)
-    model = distributed.wrap(model, dd, device)
-    steps_per_epoch = len(data.train) // accum
-    if steps_per_epoch < 1:  # also with max_steps: no epoch would ever yield a step
-        raise ConfigError(f"batch={batch} accum={accum}: one optimizer step needs "
-                          f"{batch * accum} samples but an epoch of data={c.data.name} has "
-                          f"{len(data.train) * batch}; lower batch or accum")
-    total_steps = c.trainer.max_steps or steps_per_epoch * c.trainer.epochs
-    scheduler = optim.build_scheduler(c.scheduler, optimizer, total_steps)
-    _announce(c, hw, device, amp, batch, accum, effective_batch, lr, total_steps)
+class Session:
+    """One run's life in its run dir: resume, train, and how it ended (summary.json, W&B,
+    the final line)."""
 
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    ckpt_path = run_dir / "checkpoints" / "last.pt"
-    found = checkpoint.find(c.resume, run_dir) if c.resume else None
-    blob = checkpoint.load(found) if found else None
-    state = loop.TrainState()
-    if blob is not None:
-        state = checkpoint.restore(blob, found, model=model, optimizer=optimizer,
-                                   scaler=amp.scaler, scheduler=scheduler,
-                                   state_cls=loop.TrainState)
-        log.info("resumed from %s at step %d (epoch %d, micro-batch %d)", found, state.step,
-                 state.epoch, state.batch_in_epoch)
-    tracker = Tracker(run_dir, _wandb_settings(c, hw) if c.logger.name == "wandb" else None,
-                      resolved, run_id=blob["wandb_id"] if blob else None, rank0=dd.main,
-                      resume_step=state.step if blob else None)
+    def __init__(self, parts: build.Parts, resolved: dict) -> None:
+        self.p, self.resolved = parts, resolved
+        self.state = loop.TrainState(layout=parts.layout.as_dict())
+        self.status, self.error, self.t0 = "failed", None, time.perf_counter()
+        self.summary: dict = {}
+        self.ckpt = parts.run_dir / "checkpoints" / "last.pt"
+        self.found: Path | None = None  # the checkpoint this run resumed from
+        self.phases = hardware.PhaseMemory(parts.learner.model, parts.learner.optimizer,
+                                           parts.device)
 
-    def save(st: loop.TrainState) -> None:
-        if dd.main:  # one writer; every rank holds the same weights
-            checkpoint.save(ckpt_path, model=model, optimizer=optimizer, scaler=amp.scaler,
-                            scheduler=scheduler, state=st, config=resolved,
-                            wandb_id=tracker.run_id, keep=c.ckpt.keep)
+    def train(self) -> dict:
+        p = self.p
+        blob = self._resume()
+        if blob is not None and self.state.step >= p.plan.total_steps:
+            return self._already_done()
+        self.tracker = Tracker(p.run_dir, describe.wandb_settings(p), describe.what_ran(p),
+                               run_id=describe.wandb_id(blob, self.found, p.run_dir),
+                               rank0=p.dist.main, resume_step=self.state.step if blob else None)
+        self.hooks = hooks = self._hooks()
+        try:
+            with hooks.stop, logging_redirect_tqdm() if hooks.progress else nullcontext():
+                loop.train(p.learner, p.data, self.state, p.plan, hooks)
+            self._finish_healthy(hooks)
+        except Preempted as e:
+            self.status, self.error = "preempted", e
+            raise
+        except torch.OutOfMemoryError:  # not re-raised here: its traceback would pin the tensors
+            self.error = OutOfMemory(describe.oom_advice(p))
+        except MixprecError as e:
+            self.error = e
+            raise
+        finally:
+            self._close(hooks)
+        if self.error is not None:  # an OOM: a fresh error, the failed step's memory freed
+            batch_size.release()
+            raise self.error
+        return self.summary
 
-    settings = loop.LoopSettings(
-        epochs=c.trainer.epochs if c.trainer.max_steps is None else sys.maxsize,
-        max_steps=c.trainer.max_steps, accum=accum, log_every=c.trainer.log_every,
-        clip_grad_norm=c.trainer.clip_grad_norm, samples_per_step=effective_batch,
-        ckpt_every=c.ckpt.every_steps, world=world, guard_bn_stats=c.scaler.guard_bn_stats)
-    if max_batch is not None:
-        tracker.log({"mem/max_batch": max_batch}, state.step)
-    if c.diagnose:
-        diagnose.on_run(checkpoint.unwrap(model), optimizer, _example(c, data.input_shape, device),
-                        amp, tracker, run_dir, c.trainer.log_every)
-    phases = hardware.PhaseMemory(model, optimizer, device)
-    meter = perf.Throughput(device, c.trainer.perf_warmup_steps,
-                            mfu=lambda sps: perf.mfu(flops, sps, peak, world))
-    guard = DivergenceGuard(device, c.debug.max_bad_steps, c.debug.min_loss_scale,
-                            reduce=distributed.all_reduce)
-    torch.autograd.set_detect_anomaly(c.debug.detect_anomaly)
-    hardware.reset_peak(device)
-    t0, status, stop, oom = time.perf_counter(), "failed", StopSignals(), ""
-    try:
-        with stop:
-            state = loop.train(model, data, F.cross_entropy, optimizer, scheduler, amp, tracker,
-                               state, settings, meter, memory=lambda: hardware.memory_stats(device),
-                               guard=guard, stop=stop, save=save, no_sync=distributed.no_sync,
-                               reduce=distributed.all_reduce,
-                               show_progress=sys.stderr.isatty() and dd.main)
-        loop.save_if_healthy(save, state, guard, model)
-        status = "completed"
-    except Preempted:
-        status = "preempted"
-        raise
-    except torch.OutOfMemoryError:  # not re-raised here: its traceback would pin the tensors
-        mem = hardware.memory_stats(device)
-        oom = (f"out of GPU memory at batch={batch} (peak {mem['mem/peak_gib']:.2f} GiB, cap "
-               f"{hw.memory_gib} GiB on {hw.name}); try a smaller batch, "
-               "model.grad_checkpointing=true, or batch=auto")
-        log.error(oom)
-    finally:
-        data.close()  # stop loader workers now, not at interpreter exit (EpochLoader.close)
-        summary = _summary(c, status, state, meter, amp, batch, accum, world, device,
-                           time.perf_counter() - t0, hw, phases.result, max_batch)
-        tracker.summary(summary)
-        tracker.close(status)
-        if status == "preempted":
-            stop.forward()  # e.g. submitit's handler: requeue the job (it resumes with resume=auto)
-    if status == "failed":  # only an OOM gets here: a fresh error, the failed step's memory freed
-        batch_size.release()
-        raise torch.OutOfMemoryError(oom)
-    if c.diagnose and dd.main:
-        diagnose.loss_scale_plot(run_dir)
-    log.info("done: %s", {k: summary[k] for k in ("steps", "samples_per_s", "peak_mem_gib",
-                                                  "val_acc1", "skipped_steps", "loss_scale")})
-    return summary
+    def _resume(self) -> dict | None:
+        p, c = self.p, self.p.config
+        found = checkpoint.find(c.resume, p.run_dir) if c.resume else None
+        if c.resume == "auto" and found is None:
+            log.info("resume=auto: no checkpoint in %s yet; starting from scratch", self.ckpt.parent)
+        if found is None:
+            return None
+        self.found, blob = found, checkpoint.load(found)
+        checkpoint.check_fits(blob, found, p.layout.as_dict())
+        saved = checkpoint.restore(blob, found, p.learner)
+        self.state = loop.TrainState(**{**saved, "layout": p.layout.as_dict()})
+        log.info("resumed from %s at step %d (epoch %d, micro-batch %d)", found, self.state.step,
+                 self.state.epoch, self.state.batch_in_epoch)
+        return blob
 
+    def _already_done(self) -> dict:
+        path = self.p.run_dir / "summary.json"
+        log.info("resume: the checkpoint is at step %d of %d; nothing left to train (summary "
+                 "unchanged: %s)", self.state.step, self.p.plan.total_steps, path)
+        self.p.data.close()
+        return json.loads(path.read_text()) if path.exists() else {"status": "completed"}
 
-def diagnose_only(cfg: DictConfig) -> str:
-    """The audit for a config without training (`python -m mixprec.diagnose`)."""
-    c = validate(cfg)
-    device = hardware.setup(hardware.resolve(c.hardware))
-    amp = precision.build(c.precision, c.scaler, device)
-    num_classes, shape = datasets.spec(c.data)
-    model = models.build(c.model, num_classes, shape, device)
-    result = diagnose.audit(model, _example(c, shape, device), amp.autocast)
-    return diagnose.markdown(result, amp.name)
+    def _hooks(self) -> Hooks:
+        p, c = self.p, self.p.config
+        if p.layout.max_batch is not None:
+            self.tracker.log({"mem/max_batch": p.layout.max_batch}, self.state.step)
+        if c.diagnose:
+            diagnose.on_run(checkpoint.unwrap(p.learner.model), p.learner.optimizer,
+                            build.example(c, p.data.input_shape, p.device),
+                            p.learner.precision, self.tracker, p.run_dir, c.trainer.log_every)
+        peak, flops, world = p.peak_tflops, p.flops_per_sample, p.dist.world
+        meter = perf.Throughput(p.device, c.trainer.perf_warmup_steps,
+                                mfu=lambda sps: perf.mfu(flops, sps, peak, world))
+        guard = DivergenceGuard(p.device, c.debug.max_bad_steps, c.debug.min_loss_scale,
+                                reduce=p.dist.reduce)
+        torch.autograd.set_detect_anomaly(c.debug.detect_anomaly)
+        hardware.reset_peak(p.device)
+        stop = StopSignals(c.trainer.stop_grace_s, on_forced=self._forced)
+        return Hooks(self.tracker, meter, guard, lambda: hardware.memory_stats(p.device),
+                     self._save, stop, p.dist, progress=sys.stderr.isatty() and p.dist.main)
 
+    def _save(self, state: loop.TrainState) -> None:
+        if self.p.dist.main:  # one writer; every rank holds the same weights
+            checkpoint.save(self.ckpt, self.p.learner, state, self.resolved,
+                            self.tracker.run_id, self.p.config.ckpt.keep)
 
-def _example(c: TrainConfig, input_shape, device, n: int = 2) -> torch.Tensor:
-    fmt = torch.channels_last if c.model.channels_last else torch.contiguous_format
-    return torch.randn(n, *input_shape, device=device).contiguous(memory_format=fmt)
+    def _finish_healthy(self, hooks: Hooks) -> None:
+        """`completed` only with finite weights, buffers and loss: a divergence inside the last
+        steps (between two checks) is a failure, not a result."""
+        learner, state = self.p.learner, self.state
+        loss_ok = state.last_loss is None or math.isfinite(state.last_loss)
+        if not (loss_ok and hooks.guard.healthy(model_tensors(learner.model))):
+            raise Diverged(f"the run ended at step {state.step} with non-finite loss, weights or "
+                           "BatchNorm statistics; its results are not usable. Try a lower "
+                           "optimizer.lr, trainer.clip_grad_norm=1.0 or precision=bf16")
+        self._save(state)
+        self.status = "completed"
 
+    def _forced(self, signum: int) -> None:
+        """A stop signal with no step boundary in time: the summary, then the process exits."""
+        self.status = "preempted"
+        self.error = Preempted(signum, checkpointed=False)
+        self.summary = describe.summary(self)
+        self.tracker.summary(self.summary)
 
-def _choose_batch(c: TrainConfig, hw, device, world: int) -> tuple[int, int, int | None]:
-    """(micro-batch, accum, the searched maximum or None) from batch/accum/effective_batch."""
-    batch, accum, max_batch = c.batch, c.accum, None
-    if batch == "auto":
-        batch, max_batch = _auto_batch(c, hw, device)
-    if c.effective_batch is None:
-        return batch, accum, max_batch
-    if max_batch is not None:
-        batch, accum, note = batch_size.split_effective(c.effective_batch, batch, world)
-        if note:
-            log.warning(note)
-    else:
-        accum, rest = divmod(c.effective_batch, batch * world)
-        if rest or accum < 1:
-            raise ConfigError(f"effective_batch={c.effective_batch} is not a multiple of batch="
-                              f"{batch} x world size {world}; pick a batch that divides it, or "
-                              "batch=auto to choose one")
-    log.info("effective_batch=%d: micro-batch %d x accum %d x world %d", c.effective_batch,
-             batch, accum, world)
-    return batch, accum, max_batch
+    def _close(self, hooks: Hooks) -> None:
+        self.p.data.close()  # stop loader workers now, not at interpreter exit
+        self.summary = describe.summary(self)
+        self.tracker.summary(self.summary)
+        self.tracker.close(self.status)
+        if self.status == "preempted":
+            hooks.stop.forward()  # e.g. submitit's handler: requeue the job (resume=auto)
+        if self.p.config.diagnose and self.p.dist.main:
+            diagnose.loss_scale_plot(self.p.run_dir)
+        if self.p.dist.main:
+            log.info(describe.final_line(self))
 
-
-def _auto_batch(c: TrainConfig, hw, device) -> tuple[int, int]:
-    """(micro-batch to use, the largest that trained)."""
-    if device.type != "cuda":
-        raise ConfigError("batch=auto searches GPU memory and needs a CUDA device; on the CPU "
-                          "give batch=<int>")
-    num_classes, shape = datasets.spec(c.data)
-    bs = c.batch_search
-
-    def probe(b: int) -> int:  # real steps with fresh state: the memory training will need
-        model = models.build(c.model, num_classes, shape, device)
-        amp = precision.build(c.precision, c.scaler, device)
-        opt = optim.build_optimizer(c.optimizer, model, 1e-6, device)
-        watch = precision.StepWatch(opt)
-        x = _example(c, shape, device, b)
-        y = torch.randint(0, num_classes, (b,), device=device)
-        # training holds a second input batch (the prefetched next one, or synthetic data's
-        # validation batch): without it a checkpointed bf16 run at 1,208 OOMed in its first steps
-        second = torch.empty_like(x)  # noqa: F841
-        stepped = 0
-        for _ in range(3 * bs.probe_steps):  # skipped fp16 steps allocate no optimizer state
-            stepped += loop.train_step(model, [(x, y)], F.cross_entropy, opt, amp, watch,
-                                       c.trainer.clip_grad_norm).stepped
-            if stepped >= bs.probe_steps:
-                break
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)  # the peak guides the next probe
-
-    settings = batch_size.SearchSettings(bs.start, bs.growth, bs.resolution, bs.margin, bs.aim,
-                                         cache=Path(bs.cache).expanduser() if bs.cache else None)
-    key = {"model": c.model.name, "kwargs": c.model.kwargs, "shape": list(shape),
-           "classes": num_classes, "autocast": c.precision.autocast, "scaler": c.scaler.enabled,
-           "optimizer": c.optimizer.name, "channels_last": c.model.channels_last,
-           "compile": [c.model.compile, c.model.compile_mode],
-           "grad_checkpointing": c.model.grad_checkpointing, "gpu": torch.cuda.get_device_name(device),
-           "memory_gib": hw.memory_gib, "torch": torch.__version__,
-           "clip": c.trainer.clip_grad_norm is not None, "resolution": bs.resolution}
-    t0, limit = time.perf_counter(), hardware.memory_limit(device, hw.memory_gib)
-    with hardware.cudnn_benchmark(False):  # probes: heuristics, no per-shape algorithm timing
-        found, hit = batch_size.cached(key, settings, lambda: batch_size.search(
-            probe, settings, agree=distributed.all_min, limit=limit))
-    found = distributed.all_min(found)  # a rank that read a different cache still agrees
-    batch = batch_size.with_margin(found, bs.margin)
-    log.info("batch=auto: largest micro-batch that trains is %d (%s, %.1fs); using %d (margin "
-             "%.0f%%, rounded to a multiple of 8)", found, "cached" if hit else "searched",
-             time.perf_counter() - t0, batch, 100 * bs.margin)
-    return batch, found
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _announce(c: TrainConfig, hw, device, amp, batch, accum, effective_batch, lr,
-              total_steps) -> None:
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    log.info("hardware=%s (%s), torch %s", hw.name, gpu, torch.__version__)
-    log.info(amp.describe())
-    if device.type == "cpu" and amp.dtype is not None:
-        log.warning("precision=%s on the CPU: autocast %s is emulated there and far slower "
-                    "than fp32 (measure it on a GPU; fp32 is the default for that reason)",
-                    c.precision.name, amp.dtype)
-    log.info("model=%s data=%s batch=%d accum=%d -> effective batch %d; lr %.4g (%s scaling "
-             "from %.4g at %d); %d optimizer steps", c.model.name, c.data.name, batch, accum,
-             effective_batch, lr, c.optimizer.scale_lr, c.optimizer.lr, c.optimizer.base_batch,
-             total_steps)
-
-
-def _wandb_settings(c: TrainConfig, hw) -> dict:
-    from hydra.core.hydra_config import HydraConfig
-
-    group, name = c.logger.group, Path(c.run_dir).name
-    if HydraConfig.initialized():
-        hc = HydraConfig.get()
-        name = hc.job.override_dirname or name
-        if group is None and str(hc.mode) == "RunMode.MULTIRUN":
-            group = f"{c.name}-{Path(hc.sweep.dir).name}"
-    tags = [c.precision.name, c.model.name, hw.name, c.name, *c.logger.tags]
-    return dict(project=c.logger.project, entity=c.logger.entity, group=group or c.name,
-                name=name, tags=sorted(set(tags)), mode=wandb_mode(c.logger.mode))
-
-
-def _summary(c: TrainConfig, status, state, meter, amp, batch, accum, world, device, wall_s,
-             hw, phases: dict, max_batch: int | None) -> dict:
-    mem = hardware.memory_stats(device)
-    try:
-        scale = amp.loss_scale()
-    except RuntimeError:  # the device is in a bad state after a CUDA error
-        scale = None
-    return {"status": status, "precision": c.precision.name, "batch": batch, "accum": accum,
-            "effective_batch": batch * accum * world, "world_size": world, "steps": state.step,
-            "samples_per_s": meter.steady_rate, "peak_mem_gib": mem["mem/peak_gib"],
-            "val_acc1": state.val_acc1, "val_loss": state.val_loss, "train_loss": state.last_loss,
-            "skipped_steps": state.skipped_steps, "loss_scale": scale,
-            "mfu": meter.mfu(meter.steady_rate),
-            "wall_s": wall_s, "model": c.model.name, "hardware": hw.name, "device": str(device),
-            "torch": torch.__version__, "max_batch": max_batch,
-            "grad_checkpointing": c.model.grad_checkpointing, "memory_cap_gib": hw.memory_gib,
-            **{k.split("/")[1]: v for k, v in phases.items()}}
+    @property
+    def wall_s(self) -> float:
+        return time.perf_counter() - self.t0

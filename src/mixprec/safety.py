@@ -1,23 +1,36 @@
 """Loud stops: divergence (a non-finite loss, or a collapsed loss scale, N steps in a row) and
-preemption (SIGTERM / SIGUSR1 handled at the next step boundary, never inside the handler)."""
+stop signals (SIGTERM / SIGUSR1 / SIGUSR2 / SIGINT acted on at the next step boundary, never inside
+the handler, within a bounded grace)."""
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import socket
+import sys
 import threading
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
+from omegaconf import MISSING
+
+from .errors import Diverged, check
+
+log = logging.getLogger(__name__)
 
 
-class Diverged(RuntimeError):
-    """Training cannot recover; the message says what happened and what to try."""
+@dataclass
+class DebugConfig:
+    """debug.* in conf/train.yaml"""
 
+    detect_anomaly: bool = MISSING  # autograd anomaly mode: names the op that made a NaN (slow)
+    max_bad_steps: int = MISSING  # stop after this many consecutive non-finite losses
+    min_loss_scale: float = MISSING  # stop when the fp16 loss scale collapses below this
 
-class Preempted(Exception):
-    """A stop signal arrived; the run checkpointed and should exit with `exit_code`."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"received {signal.Signals(signum).name}")
-        self.exit_code = 128 + signum
+    def __post_init__(self) -> None:
+        check(self.max_bad_steps >= 1, "debug.max_bad_steps", self.max_bad_steps, ">= 1")
+        check(self.min_loss_scale > 0, "debug.min_loss_scale", self.min_loss_scale, "> 0")
 
 
 class DivergenceGuard:
@@ -50,8 +63,7 @@ class DivergenceGuard:
         if bad >= self.max_bad_steps:
             raise Diverged(
                 f"non-finite loss ({loss}) for {bad} steps in a row at step {step} "
-                f"(loss scale {scale}, lr {lr:.4g}). The weights are no longer usable; the last "
-                "good checkpoint is kept. Try: a lower optimizer.lr, trainer.clip_grad_norm=1.0, "
+                f"(loss scale {scale}, lr {lr:.4g}). The weights are no longer usable. Try: a lower optimizer.lr, trainer.clip_grad_norm=1.0, "
                 "scaler=conservative (init_scale 4096), or precision=bf16 (fp32's range). "
                 "debug.detect_anomaly=true finds the op that produced it.")
         if scale is not None and scale < self.min_scale:
@@ -63,30 +75,88 @@ class DivergenceGuard:
 
 
 class StopSignals:
-    """Sets a flag on SIGTERM/SIGUSR1/SIGUSR2 (a scheduler's preemption or time-limit notice:
-    SLURM's --signal, submitit's USR2). After the run has checkpointed, `forward()` hands the
-    signal to the handler that was there before (submitit's, which requeues the job)."""
+    """A stop signal sets a flag that the loop acts on at the next step boundary (checkpoint,
+    `preempted`, exit 128 + signal): SIGTERM/SIGUSR1/SIGUSR2 (a scheduler's preemption or
+    time-limit notice: SLURM's --signal, submitit's USR2) and SIGINT (Ctrl-C).
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    A step may never end (a CPU stuck compiling a large model): if the loop has not reached a
+    boundary `grace_s` seconds after the signal, the process exits 128 + signal without a
+    checkpoint, after `on_forced()` (which writes the summary). A second signal exits at once the
+    same way. The grace is timed by a watcher thread that learns of the signal from Python's
+    wakeup fd, which the C-level handler writes even while the main thread sits in one long
+    native call. After the run has stopped, `forward()` hands the signal to the handler that was
+    there before (submitit's, which requeues the job)."""
 
-    def __init__(self) -> None:
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
+
+    def __init__(self, grace_s: float = 25.0, on_forced: Callable[[int], None] = lambda s: None):
+        self.grace_s, self.on_forced = grace_s, on_forced
         self.received: int | None = None
-        self._previous = {}
+        self._previous: dict = {}
+        self._acked = threading.Event()
+        self._wake: tuple[socket.socket, socket.socket] | None = None
+        self._old_fd = -1
 
     def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                self._previous[s] = signal.signal(s, self._handle)
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signals reach the main thread only; a launcher's worker thread stays as is
+        for s in self.SIGNALS:
+            self._previous[s] = signal.signal(s, self._handle)
+        self._wake = socket.socketpair()
+        self._wake[1].setblocking(False)
+        self._old_fd = signal.set_wakeup_fd(self._wake[1].fileno(), warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="mixprec-stop-watch", daemon=True).start()
         return self
 
     def _handle(self, signum, _frame) -> None:
-        self.received = signum  # nothing else here: the loop acts at the next step boundary
+        self.received = self.received or signum  # the loop acts at the next step boundary
+
+    def _watch(self) -> None:
+        """Runs beside training: the first signal starts the grace, a second one ends it."""
+        seen = 0
+        while True:
+            try:
+                data = self._wake[0].recv(64)
+            except OSError:
+                return
+            if not data:  # closed by __exit__
+                return
+            for signum in (s for s in data if s in self.SIGNALS):
+                seen += 1
+                if seen > 1:
+                    self._force(signum, "a second signal")
+                grace = threading.Timer(self.grace_s, self._force_unless_acked,
+                                        (signum, f"no step boundary within {self.grace_s:g} s"))
+                grace.daemon = True
+                grace.start()
+
+    def _force_unless_acked(self, signum: int, why: str) -> None:
+        if not self._acked.is_set():
+            self._force(signum, why)
+
+    def _force(self, signum: int, why: str) -> None:
+        sys.stderr.write(f"\nmixprec: {signal.Signals(signum).name}: {why}; exiting now without "
+                         f"a checkpoint (exit {128 + signum})\n")
+        try:
+            self.on_forced(signum)
+        finally:
+            os._exit(128 + signum)
+
+    def acknowledge(self) -> None:
+        """The loop reached a boundary and is stopping in order: the grace no longer applies."""
+        self._acked.set()
 
     def __exit__(self, *exc) -> None:
+        self._acked.set()
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+        if self._wake is not None:
+            signal.set_wakeup_fd(self._old_fd)
+            self._wake[0].shutdown(socket.SHUT_RDWR)  # wakes the watcher's recv: it returns
+            for sock in self._wake:
+                sock.close()
 
     def forward(self) -> None:
         handler = self._previous.get(self.received)
-        if callable(handler):
+        if callable(handler) and handler is not signal.default_int_handler:
             handler(self.received, None)

@@ -1,4 +1,6 @@
-"""Datasets: `digits` (real, bundled with scikit-learn) and `synthetic` (generated on the device).
+"""Datasets, one module each: `Config` (its keys, validated), `spec(cfg)` -> (num_classes, input
+shape) without loading anything, and `build(cfg, ctx)` -> Data. `data=<name>` picks
+`mixprec/data/<name>.py` and `conf/data/<name>.yaml`: adding a dataset is those two files.
 
 Every training loader has the same small interface: `len()` micro-batches per epoch,
 `set_epoch(epoch, skip)` to fix the epoch's order and resume part-way through it, and iteration
@@ -6,53 +8,60 @@ yielding (inputs, targets) already on the training device in the model's memory 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+import importlib
+import pkgutil
+from types import ModuleType
+from typing import Any
 
-import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from ..config import DataConfig, HardwareConfig
-from . import digits, images, synthetic
+from ..errors import ConfigError, nearest
+from .base import Context, Data, Workers
 
-
-class TrainLoader(Protocol):
-    def __len__(self) -> int: ...
-    def set_epoch(self, epoch: int, skip: int = 0) -> None: ...
-    def __iter__(self): ...
-    def close(self) -> None: ...
+__all__ = ["Context", "Data", "Workers", "names", "parse", "spec", "build"]
 
 
-@dataclass
-class Data:
-    train: TrainLoader
-    val: TrainLoader  # iterated whole, in order (no set_epoch)
-    num_classes: int
-    input_shape: tuple[int, int, int]  # C, H, W
-
-    def close(self) -> None:
-        """Stop the loaders' worker processes (see EpochLoader.close)."""
-        self.train.close()
-        self.val.close()
+def names() -> list[str]:
+    """The datasets: the modules of this package that define a Config and build()."""
+    return sorted(m.name for m in pkgutil.iter_modules(__path__)
+                  if hasattr(_module(m.name), "build") and hasattr(_module(m.name), "Config"))
 
 
-def spec(dcfg: DataConfig) -> tuple[int, tuple[int, int, int]]:
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def module_for(cfg: Any) -> ModuleType:
+    return _module(cfg.name)
+
+
+def parse(node: dict) -> Any:
+    """The dataset's own Config from the composed `data` node: unknown keys and bad values are
+    ConfigErrors naming the key."""
+    name = node.get("name")
+    if name not in names():
+        raise ConfigError(f"data={name!r} is not a dataset{nearest(str(name), names())} "
+                          f"(allowed: {', '.join(names())})")
+    schema = _module(name).Config
+    known = set(schema.__dataclass_fields__)
+    for key in node:
+        if key not in known:
+            raise ConfigError(f"data.{key} is not a key of data={name}{nearest(key, known)} "
+                              f"(its keys: {', '.join(sorted(known))})")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
+    except OmegaConfBaseException as e:
+        cause = e.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise ConfigError(f"data: {str(e).splitlines()[0]}") from None
+
+
+def spec(cfg: Any) -> tuple[int, tuple[int, ...]]:
     """(num_classes, input shape C,H,W) without loading anything (for batch=auto's probes)."""
-    if dcfg.name == "synthetic":
-        return dcfg.num_classes, tuple(dcfg.shape)
-    if dcfg.name == "imagenet":
-        return images.folder_spec(dcfg)
-    if dcfg.name == "cifar10":
-        return 10, (3, 32, 32)
-    return digits.NUM_CLASSES, digits.INPUT_SHAPE
+    return module_for(cfg).spec(cfg)
 
 
-def build(dcfg: DataConfig, hw: HardwareConfig, batch: int, device: torch.device, seed: int,
-          channels_last: bool = False, rank: int = 0, world: int = 1) -> Data:
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    if dcfg.name == "synthetic":
-        return synthetic.build(dcfg, batch, device, fmt, seed + rank)
-    if dcfg.name == "imagenet":
-        return images.build_folder(dcfg, hw, batch, device, fmt, seed, rank, world)
-    if dcfg.name == "cifar10":
-        return images.build_cifar10(dcfg, hw, batch, device, fmt, seed, rank, world)
-    return digits.build(dcfg, hw, batch, device, fmt, seed, rank, world)
+def build(cfg: Any, ctx: Context) -> Data:
+    return module_for(cfg).build(cfg, ctx)

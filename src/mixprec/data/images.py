@@ -1,10 +1,8 @@
-"""Real image datasets: ImageNet-style folders (`data=imagenet`) and CIFAR-10 (`data=cifar10`).
+"""What the image datasets (imagenet.py, cifar10.py) share: decoding, checked folders, the
+device-decode path and the loaders.
 
-Folders: `root/train/<class>/*` and `root/val/<class>/*` (torchvision's ImageFolder), RandomResizedCrop
-+ flip for training, resize + centre crop for evaluation. An unreadable image either stops the run
-with its path (`data.bad_images=fail`, the default) or is skipped and counted (`skip`).
-
-Workers decode with torchvision's decoders (PIL for formats they do not read), crop, resize and
+An unreadable image either stops the run with its path (`data.bad_images=fail`, the default) or
+is skipped with a warning (`skip`). Workers decode with torchvision's decoders (PIL for formats they do not read), crop, resize and
 flip uint8 tensors (transforms.v2) and ship them as uint8 (a quarter of float32's bytes); the
 normalisation runs on the training device, one batch ahead on a side stream (loaders.prefetch).
 With `data.decode=device` the workers only read the JPEG bytes and draw the crop; decoding
@@ -24,19 +22,17 @@ from torch.utils.data import Subset, default_collate
 from torchvision import datasets, io, transforms as T
 from torchvision.transforms import v2
 
-from ..config import ConfigError, DataConfig, HardwareConfig
+from ..errors import ConfigError, DataError
+from .base import Context
 from .loaders import EpochLoader, Normalize
 
 log = logging.getLogger(__name__)
-IMAGENET_STATS = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
-CIFAR_STATS = ([0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616])
 
 
 def read_image(path: str) -> torch.Tensor:
-    """A file as a uint8 RGB tensor (C, H, W). torchvision's decoders (libjpeg-turbo, libpng,
-    ...) with the crop and resize then done on the tensor took 2.3 ms per JPEG on this repo's CPU
-    against 4.4 ms for PIL's decode + PIL's RandomResizedCrop (benchmarks/RESULTS.md); PIL reads
-    the formats they do not (BMP, TIFF, ...)."""
+    """A file as a uint8 RGB tensor (C, H, W): torchvision's decoders (libjpeg-turbo, libpng, ...),
+    about twice as fast as PIL's decode + crop (benchmarks/RESULTS.md); PIL reads the formats
+    they do not (BMP, TIFF, ...)."""
     try:
         img = io.decode_image(io.read_file(path), mode=io.ImageReadMode.RGB)
     except RuntimeError:
@@ -58,8 +54,8 @@ class CheckedImageFolder(datasets.ImageFolder):
         except (OSError, ValueError) as e:  # read_image falls back to PIL: UnidentifiedImageError
             path = self.samples[index][0]
             if not self.skip_bad:
-                raise ConfigError(f"unreadable image {path} ({type(e).__name__}: {e}); fix or "
-                                  "remove it, or set data.bad_images=skip") from None
+                raise DataError(f"unreadable image {path} ({type(e).__name__}: {e}); fix or "
+                                "remove it, or set data.bad_images=skip") from None
             log.warning("skipping unreadable image %s (%s)", path, type(e).__name__)
             return None
 
@@ -123,79 +119,31 @@ class DeviceDecode:
         return self.norm((out.clamp_(0, 255), y))
 
 
-def _classes(split_dir: Path) -> list[str]:
+def classes(split_dir: Path) -> list[str]:
     if not split_dir.is_dir():
         raise ConfigError(f"data.root: {split_dir} does not exist (data=imagenet wants "
                           "root/train/<class>/* and root/val/<class>/*)")
-    classes = sorted(d.name for d in split_dir.iterdir() if d.is_dir())
-    if not classes:
+    names = sorted(d.name for d in split_dir.iterdir() if d.is_dir())
+    if not names:
         raise ConfigError(f"data.root: {split_dir} has no class folders")
-    empty = [c for c in classes if not any((split_dir / c).iterdir())]
+    empty = [c for c in names if not any((split_dir / c).iterdir())]
     if empty:
         raise ConfigError(f"data.root: empty class folder(s) in {split_dir}: {', '.join(empty)}")
-    return classes
+    return names
 
 
-def folder_spec(dcfg: DataConfig) -> tuple[int, tuple[int, int, int]]:
-    return len(_classes(Path(dcfg.root or "") / "train")), (3, dcfg.image_size, dcfg.image_size)
-
-
-def _subset(ds, n: int | None, seed: int):
+def subset(ds, n: int | None, seed: int):
     if n is None or n >= len(ds):
         return ds
     g = torch.Generator().manual_seed(seed)
     return Subset(ds, torch.randperm(len(ds), generator=g)[:n].tolist())
 
 
-def _loaders(train_ds, val_ds, dcfg, hw, batch, device, fmt, seed, rank, world, stats,
-             collate=None, stage=None):
-    kw = dict(device=device, fmt=fmt, seed=seed, rank=rank, world=world,
-              num_workers=hw.num_workers, pin_memory=hw.pin_memory, collate_fn=collate,
-              stage=stage or Normalize(*stats, device, fmt),
-              stage_thread=stage is not None)  # device decode: staged by a background thread
-    train = EpochLoader(_subset(train_ds, dcfg.subset, dcfg.data_seed), batch,
-                        persistent_workers=hw.persistent_workers, **kw)
-    val = EpochLoader(_subset(val_ds, dcfg.subset, dcfg.data_seed + 1), batch, shuffle=False,
-                      drop_last=False, **kw)
+def loaders(train_ds, val_ds, ctx: Context, stats, collate=None, stage=None):
+    """(train, val) EpochLoaders over uint8 datasets, normalised with `stats` on the device (or
+    staged by `stage`, in a background thread: device decoding)."""
+    kw = dict(collate_fn=collate, stage=stage or Normalize(*stats, ctx.device, ctx.fmt),
+              stage_thread=stage is not None)
+    train = EpochLoader(train_ds, ctx, persistent=ctx.workers.persistent, **kw)
+    val = EpochLoader(val_ds, ctx, shuffle=False, drop_last=False, **kw)
     return train, val
-
-
-def build_folder(dcfg: DataConfig, hw: HardwareConfig, batch, device, fmt, seed, rank, world):
-    from . import Data
-    root = Path(dcfg.root or "")
-    classes = _classes(root / "train")
-    if _classes(root / "val") != classes:
-        raise ConfigError(f"data.root: {root}/train and {root}/val have different class folders")
-    skip = dcfg.bad_images == "skip"
-    if dcfg.decode == "device":
-        train_ds, val_ds = (JpegCrops(root / split, split == "train", dcfg.image_size,
-                                      dcfg.eval_resize, skip) for split in ("train", "val"))
-        stage = DeviceDecode(dcfg.image_size, Normalize(*IMAGENET_STATS, device, fmt))
-        train, val = _loaders(train_ds, val_ds, dcfg, hw, batch, device, fmt, seed, rank, world,
-                              IMAGENET_STATS, collate_jpegs, stage)
-    else:
-        # on uint8 tensors: torch's antialiased bilinear resize, made to match PIL's
-        train_tf = v2.Compose([v2.RandomResizedCrop(dcfg.image_size, antialias=True),
-                               v2.RandomHorizontalFlip()])
-        val_tf = v2.Compose([v2.Resize(dcfg.eval_resize, antialias=True),
-                             v2.CenterCrop(dcfg.image_size)])
-        train_ds = CheckedImageFolder(root / "train", train_tf, skip)
-        val_ds = CheckedImageFolder(root / "val", val_tf, skip)
-        train, val = _loaders(train_ds, val_ds, dcfg, hw, batch, device, fmt, seed, rank, world,
-                              IMAGENET_STATS, collate_skipping if skip else None)
-    return Data(train, val, len(classes), (3, dcfg.image_size, dcfg.image_size))
-
-
-def build_cifar10(dcfg: DataConfig, hw: HardwareConfig, batch, device, fmt, seed, rank, world):
-    from . import Data
-    train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.PILToTensor()])
-    try:
-        train_ds = datasets.CIFAR10(dcfg.root or "", train=True, transform=train_tf,
-                                    download=dcfg.download)
-        val_ds = datasets.CIFAR10(dcfg.root or "", train=False, transform=T.PILToTensor())
-    except RuntimeError as e:
-        raise ConfigError(f"data.root={dcfg.root!r}: {e} (data=cifar10 reads torchvision's "
-                          "cifar-10-batches-py there; data.download=true fetches it)") from None
-    train, val = _loaders(train_ds, val_ds, dcfg, hw, batch, device, fmt, seed, rank, world,
-                          CIFAR_STATS)
-    return Data(train, val, 10, (3, 32, 32))

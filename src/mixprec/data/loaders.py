@@ -11,6 +11,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from .base import Context
+
 
 def to_device(batch, device: torch.device, fmt: torch.memory_format):
     x, y = batch
@@ -116,23 +118,23 @@ class EpochLoader:
 
     `stage` turns a collated CPU batch into (inputs, targets) on the device (default: copy);
     on a GPU it runs one batch ahead on a side stream (see prefetch), or, with
-    `stage_thread=True` (for heavy stages), in a background thread (prefetch_in_thread)."""
+    `stage_thread=True` (for heavy stages), in a background thread (prefetch_in_thread).
+    Workers come from `ctx.workers`; `persistent` keeps them across epochs when there are any."""
 
-    def __init__(self, dataset: Dataset, batch: int, device: torch.device,
-                 fmt: torch.memory_format, seed: int, rank: int, world: int, num_workers: int = 0,
-                 pin_memory: bool = False, shuffle: bool = True, drop_last: bool = True,
-                 collate_fn=None, stage: Callable | None = None,
-                 persistent_workers: bool = False, stage_thread: bool = False) -> None:
-        self.sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle,
-                                          seed=seed, drop_last=drop_last)
-        self.dataset, self.batch, self.device, self.fmt = dataset, batch, device, fmt
-        self.drop_last, self.skip, self.seed, self.epoch = drop_last, 0, seed, 0
-        self.stage = stage or (lambda b: to_device(b, device, fmt))
-        self.persistent = persistent_workers and num_workers > 0
+    def __init__(self, dataset: Dataset, ctx: Context, shuffle: bool = True,
+                 drop_last: bool = True, collate_fn=None, stage: Callable | None = None,
+                 stage_thread: bool = False, persistent: bool = False) -> None:
+        self.sampler = DistributedSampler(dataset, num_replicas=ctx.world, rank=ctx.rank,
+                                          shuffle=shuffle, seed=ctx.seed, drop_last=drop_last)
+        self.dataset, self.batch, self.device = dataset, ctx.batch, ctx.device
+        self.drop_last, self.skip, self.seed, self.epoch = drop_last, 0, ctx.seed, 0
+        self.stage = stage or (lambda b: to_device(b, ctx.device, ctx.fmt))
+        workers = ctx.workers.num_workers
+        self.persistent = persistent and workers > 0
         self.stage_thread = stage_thread
-        self.loader_kw = dict(num_workers=num_workers, collate_fn=collate_fn,
-                              pin_memory=pin_memory and device.type == "cuda",
-                              prefetch_factor=4 if num_workers else None,
+        self.loader_kw = dict(num_workers=workers, collate_fn=collate_fn,
+                              pin_memory=ctx.workers.pin_memory and ctx.device.type == "cuda",
+                              prefetch_factor=4 if workers else None,
                               persistent_workers=self.persistent)
         self._loader: DataLoader | None = None
 
@@ -168,7 +170,7 @@ class EpochLoader:
         """Stop persistent workers now: the DataLoader's iterator, dropped here, shuts them down
         the orderly way (done event, then a stop message to each). Left to interpreter exit,
         torch 2.11 with pinned memory joins each one for 5 s before killing it (pytorch#81794):
-        80 s after `done` with 16 workers on the H200 host (benchmarks/RESULTS.md)."""
+        minutes with many workers (benchmarks/RESULTS.md)."""
         self._loader = None
 
 

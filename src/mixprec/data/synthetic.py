@@ -2,17 +2,40 @@
 the input pipeline (the same fixed batch every step, as the usual ResNet-50 benchmarks do)."""
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import List
 
-from ..config import DataConfig
+import torch
+from omegaconf import MISSING
+
+from ..errors import check
+from .base import Context, Data
+
+
+@dataclass
+class Config:
+    """conf/data/synthetic.yaml"""
+
+    name: str = MISSING
+    shape: List[int] = MISSING  # C, H, W
+    num_classes: int = MISSING  # label range
+    steps_per_epoch: int = MISSING  # micro-batches per epoch
+    val_steps: int = MISSING  # evaluation micro-batches
+
+    def __post_init__(self) -> None:
+        check(len(self.shape) == 3 and min(self.shape) >= 1, "data.shape", self.shape,
+              "[C, H, W] with every size >= 1")
+        check(self.num_classes >= 2, "data.num_classes", self.num_classes, ">= 2")
+        check(self.steps_per_epoch >= 1, "data.steps_per_epoch", self.steps_per_epoch, ">= 1")
+        check(self.val_steps >= 1, "data.val_steps", self.val_steps, ">= 1")
 
 
 class SyntheticLoader:
-    def __init__(self, shape, num_classes: int, batch: int, steps: int, device: torch.device,
-                 fmt: torch.memory_format, seed: int) -> None:
-        g = torch.Generator(device=device).manual_seed(seed)
-        self.x = torch.randn(batch, *shape, device=device, generator=g).contiguous(memory_format=fmt)
-        self.y = torch.randint(0, num_classes, (batch,), device=device, generator=g)
+    def __init__(self, shape, num_classes: int, steps: int, ctx: Context, seed: int) -> None:
+        g = torch.Generator(device=ctx.device).manual_seed(seed)
+        self.x = torch.randn(ctx.batch, *shape, device=ctx.device, generator=g).contiguous(
+            memory_format=ctx.fmt)
+        self.y = torch.randint(0, num_classes, (ctx.batch,), device=ctx.device, generator=g)
         self.steps, self.skip = steps, 0
 
     def __len__(self) -> int:
@@ -29,10 +52,12 @@ class SyntheticLoader:
         pass
 
 
-def build(dcfg: DataConfig, batch: int, device, fmt, seed: int):
-    from . import Data
+def spec(cfg: Config) -> tuple[int, tuple[int, ...]]:
+    return cfg.num_classes, tuple(cfg.shape)
 
-    shape = tuple(dcfg.shape)
-    train = SyntheticLoader(shape, dcfg.num_classes, batch, dcfg.steps_per_epoch, device, fmt, seed)
-    val = SyntheticLoader(shape, dcfg.num_classes, batch, dcfg.val_steps, device, fmt, seed + 1)
-    return Data(train=train, val=val, num_classes=dcfg.num_classes, input_shape=shape)
+
+def build(cfg: Config, ctx: Context) -> Data:
+    shape, seed = tuple(cfg.shape), ctx.seed + ctx.rank
+    train = SyntheticLoader(shape, cfg.num_classes, cfg.steps_per_epoch, ctx, seed)
+    val = SyntheticLoader(shape, cfg.num_classes, cfg.val_steps, ctx, seed + 1)
+    return Data(train=train, val=val, num_classes=cfg.num_classes, input_shape=shape)

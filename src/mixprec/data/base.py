@@ -1,0 +1,53 @@
+"""What every dataset gives the loop (Data) and gets from the run (Context)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+class TrainLoader(Protocol):
+    def __len__(self) -> int: ...
+    def set_epoch(self, epoch: int, skip: int = 0) -> None: ...
+    def __iter__(self): ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class Data:
+    train: TrainLoader  # len() micro-batches per epoch; set_epoch(epoch, skip) resumes part-way
+    val: TrainLoader  # iterated whole, in order (no set_epoch)
+    num_classes: int
+    input_shape: tuple[int, ...]  # C, H, W
+
+    def close(self) -> None:
+        """Stop the loaders' worker processes (see EpochLoader.close)."""
+        self.train.close()
+        self.val.close()
+
+
+@dataclass(frozen=True)
+class Workers:
+    """DataLoader worker settings (from the hardware profile); the defaults load in-process."""
+
+    num_workers: int = 0
+    pin_memory: bool = False
+    persistent: bool = False
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a dataset builder needs to know about the run."""
+
+    batch: int  # micro-batch per process
+    device: torch.device
+    seed: int
+    channels_last: bool = False
+    rank: int = 0
+    world: int = 1
+    workers: Workers = field(default_factory=Workers)
+
+    @property
+    def fmt(self) -> torch.memory_format:
+        return torch.channels_last if self.channels_last else torch.contiguous_format

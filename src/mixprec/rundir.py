@@ -1,0 +1,91 @@
+"""One writer per run dir, and what a run dir that already holds a run means.
+
+- An advisory lock (flock on `<run dir>/.lock`) is held for the run's life. The kernel drops it
+  when the process ends, however it ends, so a lock file left by a dead process is simply taken
+  over (the file says whose it was); a live holder makes a second run stop with RunDirBusy.
+- A run dir that holds a run (metrics.jsonl, summary.json or checkpoints/) is continued only with
+  `resume=...`, started over only with `overwrite=true`, and otherwise refused: re-running into
+  it by accident would append to its metrics and replace its checkpoints.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+from .errors import ConfigError, RunDirBusy
+
+log = logging.getLogger(__name__)
+RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints")
+MADE_BY_A_RUN = (*RUN_FILES, "wandb", "wandb.json", "diagnose.md", "diagnose.json",
+                 "loss_scale.png")
+
+
+class RunDirLock:
+    """`with RunDirLock(run_dir):` while training; RunDirBusy if another process holds it."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / ".lock"
+        self.fd: int | None = None
+
+    def __enter__(self) -> "RunDirLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise RunDirBusy(f"run dir {self.path.parent} is in use by {holder}; one writer per "
+                             "run dir: wait for it, stop it, or choose another hydra.run.dir")
+        previous = _read_holder(fd)
+        if previous != "an unknown process":
+            log.info("run dir lock: took over the lock left by %s (no longer running)", previous)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {info['pid']} on {info['host']} (since {info['since']})"
+    except (ValueError, KeyError, OSError):
+        return "an unknown process"
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    return any((run_dir / name).exists() for name in RUN_FILES)
+
+
+def prepare(run_dir: Path, resume: str | None, overwrite: bool) -> None:
+    """Apply the rule for a run dir that already holds a run (call with the lock held):
+    resume=auto continues it; a new run (resume=null, or from another run's checkpoint) needs
+    an empty run dir or overwrite=true."""
+    if not holds_a_run(run_dir) or resume == "auto":
+        return
+    if not overwrite:
+        raise ConfigError(f"run dir {run_dir} already holds a run; continue it with "
+                          f"resume=auto, start it over with overwrite=true, or choose another "
+                          "hydra.run.dir")
+    for name in MADE_BY_A_RUN:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    log.warning("overwrite=true: removed the previous run's files from %s", run_dir)

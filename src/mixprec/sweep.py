@@ -1,0 +1,52 @@
+"""What a multirun does beside its jobs: keep the sweep's report up to date, and exit with the
+first failed job's code once every job has run (train.yaml: hydra.callbacks.report)."""
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+
+from .report import find_runs, read_run, write
+
+log = logging.getLogger(__name__)
+
+
+class ReportCallback(Callback):
+    """Keeps report.md/.csv/.png in the sweep dir up to date as each multirun job ends (so a sweep
+    that Hydra ends with a job's unexpected error still has its report), logs the final table to
+    W&B when the multirun ends, and then exits with the first failed job's code, if any."""
+
+    def on_job_end(self, config, job_return=None, **kwargs) -> None:
+        if str(config.hydra.mode) == "RunMode.MULTIRUN":
+            self._write(Path(config.hydra.sweep.dir), to_wandb=False)
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        self._write(sweep_dir, to_wandb=None)
+        failed = failures(sweep_dir)
+        if failed:
+            for run, code, error in failed:
+                log.error("job %s failed (exit %d): %s", run, code, error)
+            log.error("%d job(s) of the sweep failed; report: %s", len(failed),
+                      sweep_dir / "report.md")
+            sys.exit(failed[0][1])
+
+    @staticmethod
+    def _write(sweep_dir: Path, to_wandb: bool | None) -> None:
+        if sweep_dir.is_dir() and find_runs([sweep_dir]):
+            try:
+                write([sweep_dir], to_wandb=to_wandb)
+            except Exception as e:  # never turn a finished job or sweep into a failure
+                log.warning("report for %s failed: %s", sweep_dir, e)
+
+
+def failures(sweep_dir: Path) -> list[tuple[str, int, str]]:
+    """(job dir name, exit code, error) of the jobs whose summary says they failed."""
+    out = []
+    for run in find_runs([sweep_dir]) if sweep_dir.is_dir() else []:
+        row = read_run(run, run.name)
+        if row.get("status") != "completed":
+            out.append((run.name, int(row.get("exit_code") or 1), row.get("error") or row["status"]))
+    return out
