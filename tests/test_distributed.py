@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from torch import nn
 
 from mixprec import distributed, loop, optim, precision
 
+import wandb_log
 from conftest import ROOT, group, run_train
 
 COMMON = ["model=digits_mlp", "trainer.max_steps=6", "trainer.log_every=1", "hardware=cpu",
@@ -26,26 +28,66 @@ def losses(run_dir: Path) -> list[float]:
     return [r["train/loss"] for r in rows if "train/loss" in r]
 
 
-@pytest.mark.slow
-def test_torchrun_two_processes_match_one_process(tmp_path):
-    ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2", str(ROOT / "train.py"), *COMMON, "batch=16",
-                           "accum=2", f"hydra.run.dir={ddp_dir}"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    single = run_train([*COMMON, "batch=32", "accum=2", "logger=none", f"hydra.run.dir={single_dir}"])
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("single")
+    single = run_train([*COMMON, "batch=32", "accum=2", "logger=none", f"hydra.run.dir={d}"],
+                       env_extra={"OMP_NUM_THREADS": "1"})
     assert single.returncode == 0, single.stderr[-3000:]
+    return d
 
+
+def torchrun(launcher: list[str], run_dir: Path) -> subprocess.Popen:
+    """One torchrun agent training batch 16 x accum 2 per process into run_dir."""
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launcher,
+                             str(ROOT / "train.py"), *COMMON, "batch=16", "accum=2",
+                             f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finished(proc: subprocess.Popen) -> str:
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def assert_matches_one_process(ddp_dir: Path, single_dir: Path) -> None:
     s = json.loads((ddp_dir / "summary.json").read_text())
     assert (s["world_size"], s["batch"], s["accum"], s["effective_batch"]) == (2, 16, 2, 64)
-    assert len(list((ddp_dir / "wandb").glob("offline-run-*"))) == 1  # exactly one W&B run
     torch.testing.assert_close(losses(ddp_dir), losses(single_dir), rtol=1e-5, atol=1e-6)
     w_ddp = torch.load(ddp_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
     w_one = torch.load(single_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
     for k in w_one:
         torch.testing.assert_close(w_ddp[k], w_one[k], rtol=1e-5, atol=1e-6)
+    (run,) = wandb_log.runs_under(ddp_dir)  # exactly one W&B run: global rank 0's
+    assert run.config["world_size"] == 2 and run.config["effective_batch"] == 64
+    assert run.summary["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_match_one_process(tmp_path, one_process):
+    finished(torchrun(["--standalone", "--nproc_per_node=2"], tmp_path))
+    assert_matches_one_process(tmp_path, one_process)
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_act_as_two_nodes(tmp_path, one_process):
+    """Two torchrun agents (--nnodes=2, one process each) meeting through a c10d rendezvous on
+    localhost, as two machines would: global rank 0 alone writes the run dir and opens the W&B
+    run, and the losses equal one process with the same global batch."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rdzv = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=mixprec-test"]
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"  # each machine names its own run dir
+    agents = [torchrun(rdzv, node0), torchrun(rdzv, node1)]
+    for agent in agents:
+        finished(agent)
+    written = [d for d in (node0, node1) if (d / "summary.json").exists()]
+    assert len(written) == 1  # one writer: the node that holds global rank 0
+    assert_matches_one_process(written[0], one_process)
 
 
 @pytest.fixture
@@ -94,17 +136,6 @@ def test_slurm_environment_is_read(monkeypatch):
     assert distributed._env_world() == (3, 1, 4)
     monkeypatch.setenv("SLURM_NTASKS", "1")
     assert distributed._env_world() is None
-
-
-@pytest.mark.slow
-def test_submitit_local_multirun_of_two_jobs(tmp_path):
-    proc = run_train(["-m", "hydra/launcher=local", "precision=fp32,bf16", "trainer.max_steps=2",
-                      "logger=none", f"hydra.sweep.dir={tmp_path}"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summaries = [json.loads((tmp_path / j / "summary.json").read_text()) for j in ("0", "1")]
-    assert {s["precision"] for s in summaries} == {"fp32", "bf16"}
-    assert all(s["status"] == "completed" for s in summaries)
-    assert (tmp_path / "report.md").exists()
 
 
 def test_stop_signals_hand_over_to_the_previous_handler():

@@ -204,6 +204,15 @@ def stuck_run(tmp_path: Path, grace: int) -> subprocess.Popen:
     return proc
 
 
+def communicate(proc: subprocess.Popen, timeout: float) -> str:
+    """The output of a process that must end by itself within `timeout` (killed if not)."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("it did not exit: " + proc.communicate()[0][-3000:])
+
+
 @pytest.mark.slow
 def test_a_stop_signal_during_a_step_that_never_ends_exits_within_the_grace(tmp_path):
     """SIGTERM while the loop is stuck in one blocking call cannot wait for a step boundary:
@@ -212,7 +221,7 @@ def test_a_stop_signal_during_a_step_that_never_ends_exits_within_the_grace(tmp_
     proc = stuck_run(tmp_path, grace=3)
     t0 = time.time()
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
+    out = communicate(proc, timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert time.time() - t0 < 15
     assert "no step boundary within 3 s" in out
@@ -227,6 +236,6 @@ def test_a_second_ctrl_c_exits_at_once(tmp_path):
     time.sleep(1)
     t0 = time.time()
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=30)
+    out = communicate(proc, timeout=30)
     assert proc.returncode == 130 and time.time() - t0 < 10, out[-3000:]
     assert "a second signal" in out and summary(tmp_path / "run")["status"] == "preempted"

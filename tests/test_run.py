@@ -70,22 +70,6 @@ def test_default_run_meets_the_contract(tmp_path):
     assert "precision=fp32: autocast off, GradScaler off, TF32 off" in proc.stdout + proc.stderr
 
 
-@pytest.mark.slow
-def test_multirun_gives_one_run_dir_and_one_wandb_run_per_job(tmp_path):
-    proc = run_train(["-m", "precision=fp32,amp,bf16", "trainer.max_steps=6", "trainer.log_every=3",
-                      f"hydra.sweep.dir={tmp_path}"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    dirs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and p.name.isdigit())
-    assert len(dirs) == 3
-    ids, precisions = set(), set()
-    for d in dirs:
-        summary = check_run_dir(d)
-        assert summary["status"] == "completed" and summary["steps"] == 6
-        precisions.add(summary["precision"])
-        ids |= {p.stem for p in (d / "wandb").glob("offline-run-*/run-*.wandb")}
-    assert precisions == {"fp32", "amp", "bf16"} and len(ids) == 3
-
-
 def test_a_wandb_failure_never_stops_training(cfg_factory, monkeypatch):
     import wandb
 

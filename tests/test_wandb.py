@@ -17,6 +17,7 @@ import pytest
 
 import wandb_log
 from conftest import ROOT, run_train
+from test_run import check_run_dir
 
 QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.perf_warmup_steps=1"]
 
@@ -89,8 +90,10 @@ def test_a_sweep_and_its_report_run_share_project_mode_and_a_dated_group(tmp_pat
     assert len(jobs) == 2 and {r.config["precision"] for r in jobs} == {"fp32", "bf16"}
     assert {r.group for r in runs} == {"default-2026-11-30_12-00-00"}
     assert {r.project for r in runs} == {"mixprec-sweep"}
-    for job in jobs:
-        assert_summary_matches(job, sweep / ("0" if job.config["precision"] == "fp32" else "1"))
+    for job in jobs:  # one run dir, meeting the run-dir contract, and one W&B run per job
+        job_dir = sweep / ("0" if job.config["precision"] == "fp32" else "1")
+        assert check_run_dir(job_dir)["status"] == "completed"
+        assert_summary_matches(job, job_dir)
     # the documented sync command covers the jobs and the report run
     listed = run_sync(sweep)
     assert len(listed) == 3 and all(Path(p).name.startswith("offline-run-") for p in listed)

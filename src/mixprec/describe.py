@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import re
 import shlex
 import signal
@@ -26,6 +27,11 @@ def _hydra():
 def multirun() -> bool:
     hc = _hydra()
     return hc is not None and str(hc.mode) == "RunMode.MULTIRUN"
+
+
+def own_process() -> bool:
+    """This job runs in a process of its own (a submitit job: SLURM, or hydra/launcher=local)."""
+    return "SUBMITIT_EXECUTOR" in os.environ
 
 
 def wandb_settings(p) -> dict | None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
+import subprocess
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -49,6 +51,22 @@ def _env_world() -> tuple[int, int, int] | None:
     return None
 
 
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list ("gpu[03-04,07],cpu1" -> "gpu03"): scontrol's own
+    expansion where it is installed, else the common prefix[range] form."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, timeout=30, check=True).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not m or not m.group(2):
+        return nodelist.split(",")[0]
+    return m.group(1) + m.group(2).split(",")[0].split("-")[0]
+
+
 def init(device_type: str) -> Dist:
     """Join the process group if this process was started as one of several; else world 1."""
     env = _env_world()
@@ -56,8 +74,7 @@ def init(device_type: str) -> Dist:
         return Dist()
     rank, local_rank, world = env
     if "MASTER_ADDR" not in os.environ:  # SLURM: the first node of the job hosts the store
-        nodes = os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1")
-        os.environ["MASTER_ADDR"] = nodes.split(",")[0].split("[")[0]
+        os.environ["MASTER_ADDR"] = first_host(os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1"))
         os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", 0)) % 1000))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
     if device_type == "cuda":

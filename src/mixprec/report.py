@@ -149,7 +149,7 @@ def console(table: list[dict]) -> str:
     return "\n".join(out)
 
 
-def plots(runs: list[dict], out_dir: Path) -> list[Path]:
+def draw(runs: list[dict], out_dir: Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -190,8 +190,10 @@ def plots(runs: list[dict], out_dir: Path) -> list[Path]:
     return paths
 
 
-def write(paths: list[Path], out_dir: Path | None = None, to_wandb: bool | None = None) -> dict:
-    """Build the report for these sweep/run dirs; returns {'table': ..., 'files': [...]}."""
+def write(paths: list[Path], out_dir: Path | None = None, to_wandb: bool | None = None,
+          plots: bool = True) -> dict:
+    """Build the report for these sweep/run dirs (the PNGs too unless `plots` is false);
+    returns {'table': ..., 'files': [...]}."""
     run_dirs = find_runs(paths)
     if not run_dirs:
         raise SystemExit(f"no run directories (with .hydra/) under {', '.join(map(str, paths))}")
@@ -210,7 +212,8 @@ def write(paths: list[Path], out_dir: Path | None = None, to_wandb: bool | None 
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows(table)
-    files = [out_dir / "report.md", out_dir / "report.csv", *plots(runs, out_dir)]
+    files = [out_dir / "report.md", out_dir / "report.csv",
+             *(draw(runs, out_dir) if plots else [])]
     print(console(table))
     print("wrote " + ", ".join(str(p) for p in files))
     if to_wandb if to_wandb is not None else any((d / "wandb").is_dir() for d in run_dirs):

@@ -34,7 +34,8 @@ def main(cfg: DictConfig) -> float | None:
         return run(cfg)[cfg.objective]
     except MixprecError as e:
         log.error("%s: %s", e.label, e)
-        if describe.multirun() and not isinstance(e, Preempted):
+        # a stop signal ends an in-process sweep; a job in its own process (SLURM) just ends
+        if describe.multirun() and (describe.own_process() or not isinstance(e, Preempted)):
             describe.record_failed_job(cfg, e)
             return math.nan
         raise SystemExit(e.exit_code) from None
@@ -176,12 +177,12 @@ class Session:
         self.summary = describe.summary(self)
         self.tracker.summary(self.summary)
         self.tracker.close(self.status)
-        if self.status == "preempted":
-            hooks.stop.forward()  # e.g. submitit's handler: requeue the job (resume=auto)
         if self.p.config.diagnose and self.p.dist.main:
             diagnose.loss_scale_plot(self.p.run_dir)
         if self.p.dist.main:
             log.info(describe.final_line(self))
+        if self.status == "preempted":  # last: submitit's handler requeues the job and exits
+            hooks.stop.forward()
 
     @property
     def wall_s(self) -> float:

@@ -19,8 +19,8 @@ class ReportCallback(Callback):
     W&B when the multirun ends, and then exits with the first failed job's code, if any."""
 
     def on_job_end(self, config, job_return=None, **kwargs) -> None:
-        if str(config.hydra.mode) == "RunMode.MULTIRUN":
-            self._write(Path(config.hydra.sweep.dir), to_wandb=False)
+        if str(config.hydra.mode) == "RunMode.MULTIRUN":  # the table now, the plots at the end
+            self._write(Path(config.hydra.sweep.dir), to_wandb=False, plots=False)
 
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -34,10 +34,10 @@ class ReportCallback(Callback):
             sys.exit(failed[0][1])
 
     @staticmethod
-    def _write(sweep_dir: Path, to_wandb: bool | None) -> None:
+    def _write(sweep_dir: Path, to_wandb: bool | None, plots: bool = True) -> None:
         if sweep_dir.is_dir() and find_runs([sweep_dir]):
             try:
-                write([sweep_dir], to_wandb=to_wandb)
+                write([sweep_dir], to_wandb=to_wandb, plots=plots)
             except Exception as e:  # never turn a finished job or sweep into a failure
                 log.warning("report for %s failed: %s", sweep_dir, e)
 

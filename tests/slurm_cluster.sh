@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# A real SLURM cluster on this one machine, for tests/test_slurm.py: Debian's slurmctld, two
+# slurmd daemons (node1 and node2, two "nodes" of one host) and munge for authentication.
+# Needs root and apt (Debian/Ubuntu); .ci/run starts it before `make test`.
+#   bash tests/slurm_cluster.sh start   # then: export SLURM_CONF=/tmp/mixprec-slurm/slurm.conf
+#   bash tests/slurm_cluster.sh stop
+set -euo pipefail
+dir=${MIXPREC_SLURM_DIR:-/tmp/mixprec-slurm}
+export SLURM_CONF="$dir/slurm.conf"
+
+start() {
+  if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null
+  fi
+  mkdir -p "$dir/state" /run/munge
+  [ -s /etc/munge/munge.key ] || mungekey --create --keyfile=/etc/munge/munge.key
+  pgrep -x munged >/dev/null || munged --force
+  # the node names resolve to this host (torch.distributed's rendezvous uses the first one)
+  grep -qw node1 /etc/hosts || echo "127.0.0.1 node1 node2" >> /etc/hosts
+  local cpus mem host
+  cpus=$(nproc)
+  mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 2 ))
+  host=$(hostname)
+  cat > "$SLURM_CONF" <<EOF
+ClusterName=mixprec-test
+SlurmctldHost=$host(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# a requeued job may start again after cred_expire + 1 s (default 120 s): the test requeues
+AuthInfo=cred_expire=10
+StateSaveLocation=$dir/state
+SlurmdSpoolDir=$dir/spool-%n
+SlurmctldPidFile=$dir/slurmctld.pid
+SlurmdPidFile=$dir/slurmd-%n.pid
+SlurmctldLogFile=$dir/slurmctld.log
+SlurmdLogFile=$dir/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/backfill
+SchedulerParameters=sched_min_interval=200000
+JobAcctGatherType=jobacct_gather/none
+MpiDefault=none
+ReturnToService=2
+KillWait=30
+MinJobAge=600
+SlurmdTimeout=60
+NodeName=node1 NodeHostname=$host NodeAddr=127.0.0.1 Port=6818 CPUs=$cpus RealMemory=$mem State=UNKNOWN
+NodeName=node2 NodeHostname=$host NodeAddr=127.0.0.1 Port=6819 CPUs=$cpus RealMemory=$mem State=UNKNOWN
+PartitionName=debug Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+EOF
+  pgrep -x slurmctld >/dev/null || slurmctld
+  pgrep -f "slurmd -N node1" >/dev/null || slurmd -N node1
+  pgrep -f "slurmd -N node2" >/dev/null || slurmd -N node2
+  for _ in $(seq 60); do
+    if [ "$(sinfo -h -t idle -o %D 2>/dev/null)" = "2" ]; then
+      echo "SLURM cluster up: 2 nodes (SLURM_CONF=$SLURM_CONF)"
+      return 0
+    fi
+    sleep 0.5
+  done
+  echo "SLURM cluster did not come up; logs in $dir" >&2
+  tail -n 5 "$dir"/*.log >&2 || true
+  return 1
+}
+
+stop() {
+  scancel --user=root 2>/dev/null || true
+  pkill -x slurmd 2>/dev/null || true
+  pkill -x slurmctld 2>/dev/null || true
+}
+
+"${1:-start}"

@@ -1,0 +1,63 @@
+"""Every `python train.py` command in the README works as written: the ones a CPU can run train
+(shortened by appended overrides: a step or two, no W&B, a temporary run dir), the GPU ones stop
+at once with a message that says they need a GPU, and the ones naming data we do not have stop at
+once naming data.root. Single runs are composed and run in this process, as train.py would;
+sweeps run as train.py subprocesses. SLURM commands are exercised by test_slurm.py, torchrun by
+test_distributed.py."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from mixprec import run
+from mixprec.errors import ConfigError
+
+from conftest import ROOT, compose_cfg, run_train
+
+SHORT = ["trainer.max_steps=2", "trainer.min_steps=0", "trainer.log_every=1", "logger=none",
+         "trainer.perf_warmup_steps=0"]
+TIMED = ["trainer.max_steps=11", "hydra.sweeper.n_trials=2"]  # optuna's objective is samples/s
+GPU = re.compile(r"experiment=(resnet50_synthetic|fast|seed_table)|needs_gpu=true|batch=auto|"
+                 r"cuda_graphs=true|hardware=(rtx3090|a100|h100|h200)")
+SWEEP_PRESETS = ("experiment=precision_sweep", "experiment=accuracy_parity",
+                 "experiment=optuna_throughput")
+
+
+def readme_commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    commands = []
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("  #")[0].strip()
+            if line.startswith("python train.py") and "hydra/launcher=slurm" not in line:
+                commands.append(line)
+    assert len(commands) >= 15, commands
+    return sorted(set(commands), key=commands.index)
+
+
+def as_the_shell_passes(command: str) -> list[str]:
+    args = [os.path.expandvars(a) for a in shlex.split(command)[2:]]
+    return [a for a in args if not a.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", readme_commands())
+def test_every_readme_command_works_as_written(command, tmp_path):
+    args = as_the_shell_passes(command)
+    if "-m" in args or any(a in SWEEP_PRESETS for a in args):
+        extra = TIMED if "optuna" in command else []
+        proc = run_train([*args, *SHORT, *extra, f"hydra.sweep.dir={tmp_path}"], timeout=400)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        assert (tmp_path / "report.md").exists()
+        return
+    cfg = compose_cfg([*args, *SHORT], tmp_path / "run")  # the parser train.py uses
+    if GPU.search(command) or "data.root=" in command:
+        with pytest.raises(ConfigError, match="GPU|CUDA|data.root"):
+            run.run(cfg)
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    else:
+        assert run.run(cfg)["status"] == "completed"
