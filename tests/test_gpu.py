@@ -15,7 +15,7 @@ from conftest import group
 
 pytestmark = pytest.mark.gpu
 GPU_SMALL = ["hardware=auto", "experiment=resnet50_synthetic", "model=resnet18", "batch=32",
-             "data.shape=[3,64,64]", "data.num_classes=10", "trainer.max_steps=8",
+             "data.shape=[3,64,64]", "data.num_classes=10", "trainer.max_steps=14",
              "trainer.log_every=4", "trainer.perf_warmup_steps=2"]
 
 
@@ -27,11 +27,11 @@ def test_every_precision_trains_on_the_gpu(cfg_factory, prec):
     s = json.loads((d / "summary.json").read_text())
     rows = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "train/loss" in r]
-    assert s["status"] == "completed" and s["steps"] == 8 and s["device"].startswith("cuda")
+    assert s["status"] == "completed" and s["steps"] == 14 and s["device"].startswith("cuda")
     assert s["accum"] == (4 if prec == "amp_accum" else 1)
     assert 0 < train[-1]["mem/allocated_gib"] <= train[-1]["mem/reserved_gib"]
     assert train[-1]["mem/peak_gib"] >= train[-1]["mem/allocated_gib"]
-    assert s["loss_scale"] == (65536.0 if prec.startswith("amp") else 1.0) or s["skipped_steps"] > 0
+    assert s["loss_scale"] == (65536.0 if prec.startswith("amp") else None) or s["skipped_steps"] > 0
     assert s["samples_per_s"] > 0
 
 
@@ -102,7 +102,7 @@ def test_cuda_graphs_train_like_eager(cfg_factory, tmp_path):
                           small=False)
     run.run(eager)
     s = run.run(graphed)
-    assert s["status"] == "completed" and s["steps"] == 8 and s["mfu"] is not None
+    assert s["status"] == "completed" and s["steps"] == 14 and s["mfu"] is not None
     losses = [[json.loads(l)["train/loss"] for l in (Path(c.run_dir) / "metrics.jsonl")
                .read_text().splitlines() if "train/loss" in l] for c in (eager, graphed)]
     assert losses[1] == pytest.approx(losses[0], rel=0.05)

@@ -1,18 +1,17 @@
 """batch=auto: the largest micro-batch that really trains here, found by real training steps.
 
-The progressive search of the usual mixed-precision guides ("start at the fp32 maximum, grow
-50 % until OOM, step back") made exact and fast: grow until a probe runs out of memory, then bisect between the last batch that
-trained and the first that did not, down to `resolution`. Where probes report their peak memory
-and the memory limit is known, growth is guided: peak memory is close to linear in the batch, so
-two fitting probes predict the largest batch and the search jumps to just below it (then creeps up
-in small steps) instead of growing x1.5 twelve times; an out-of-memory jump backs off by 10 %
-before bisecting. Without peak memory (tests, odd devices) it is the plain x`growth`.
-Each probe builds fresh model, optimizer
-and scaler state and runs a few full steps (forward, backward, optimizer step), so it sees the same
-memory as training; after an OOM everything is released before the next probe. The answer, less a
-safety margin and rounded down to a multiple of 8 (tensor-core friendly), is cached per
-(model, input, precision, memory options, GPU, cap, torch version).
-"""
+The progressive search of the usual mixed-precision guides ("start at the fp32 maximum, grow 50 %
+until OOM, step back") made exact and fast: grow until a probe runs out of memory, then bisect
+between the last batch that trained and the first that did not, down to `resolution`. Where probes
+report their peak memory and the memory limit is known, growth is guided: peak memory is close to
+linear in the batch, so two fitting probes predict the largest batch and the search jumps to just
+below it (then creeps up in small steps) instead of growing x1.5 twelve times; an out-of-memory
+jump backs off by 10 % before bisecting. Without peak memory (tests, odd devices) it is the plain
+x`growth`. Each probe builds fresh model, optimizer and scaler state and runs a few full steps
+(forward, backward, optimizer step), so it sees the same memory as training; after an OOM
+everything is released before the next probe. The answer, less a safety margin and rounded down to
+a multiple of 8 (tensor-core friendly), is cached per (model, input, precision, memory options,
+GPU, cap, torch version)."""
 from __future__ import annotations
 
 import contextlib

@@ -93,33 +93,6 @@ def what_ran(p) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def summary(s) -> dict:
-    """summary.json (the contract's keys first) for a Session, however it ended."""
-    p, c, st = s.p, s.p.config, s.state
-    prec, meter = p.learner.precision, s.hooks.meter
-    mem = hardware.memory_stats(p.device)
-    try:
-        scale = prec.loss_scale() if prec.scaling else None
-    except RuntimeError:  # the device is in a bad state after a CUDA error
-        scale = None
-    out = {"status": s.status, "precision": c.precision.name, "batch": p.layout.batch,
-           "accum": p.layout.accum, "effective_batch": p.layout.effective,
-           "world_size": p.layout.world, "steps": st.step, "samples_per_s": meter.steady_rate,
-           "peak_mem_gib": mem["mem/peak_gib"], "val_acc1": st.val_acc1,
-           "skipped_steps": st.skipped_steps, "loss_scale": scale,
-           "mfu": meter.mfu(meter.steady_rate), "wall_s": s.wall_s, "val_loss": st.val_loss,
-           "train_loss": st.last_loss, "optimizer_steps": p.plan.total_steps, "lr": p.lr,
-           "model": c.model.name, "data": c.data.name, "hardware": p.hw.name,
-           "device": str(p.device), "memory": hardware.memory_kind(p.device),
-           "torch": torch.__version__, "max_batch": p.layout.max_batch,
-           "grad_checkpointing": c.model.grad_checkpointing, "memory_cap_gib": p.hw.memory_gib,
-           "checkpoint": str(s.ckpt) if s.ckpt.exists() else None,
-           **{k.split("/")[1]: v for k, v in s.phases.result.items()}}
-    if s.error is not None:
-        out.update(error=str(s.error), exit_code=s.error.exit_code)
-    return out
-
-
 def write_failed(run_dir: Path, c, e: MixprecError) -> None:
     """summary.json for a run that failed before training (a resume that does not fit, a
     model that cannot take the data): the run dir never says `completed` for it."""

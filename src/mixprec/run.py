@@ -169,12 +169,12 @@ class Session:
         """A stop signal with no step boundary in time: the summary, then the process exits."""
         self.status = "preempted"
         self.error = Preempted(signum, checkpointed=False)
-        self.summary = describe.summary(self)
+        self.summary = self.summarize()
         self.tracker.summary(self.summary)
 
     def _close(self, hooks: Hooks) -> None:
         self.p.data.close()  # stop loader workers now, not at interpreter exit
-        self.summary = describe.summary(self)
+        self.summary = self.summarize()
         self.tracker.summary(self.summary)
         self.tracker.close(self.status)
         if self.p.config.diagnose and self.p.dist.main:
@@ -183,6 +183,33 @@ class Session:
             log.info(describe.final_line(self))
         if self.status == "preempted":  # last: submitit's handler requeues the job and exits
             hooks.stop.forward()
+
+    def summarize(self) -> dict:
+        """summary.json (the contract's keys first), however the run ended."""
+        p, c, st = self.p, self.p.config, self.state
+        prec, meter = p.learner.precision, self.hooks.meter
+        mem = hardware.memory_stats(p.device)
+        try:
+            scale = prec.loss_scale() if prec.scaling else None
+        except RuntimeError:  # the device is in a bad state after a CUDA error
+            scale = None
+        out = {"status": self.status, "precision": c.precision.name, "batch": p.layout.batch,
+               "accum": p.layout.accum, "effective_batch": p.layout.effective,
+               "world_size": p.layout.world, "steps": st.step, "samples_per_s": meter.steady_rate,
+               "peak_mem_gib": mem["mem/peak_gib"], "val_acc1": st.val_acc1,
+               "skipped_steps": st.skipped_steps, "loss_scale": scale,
+               "mfu": meter.mfu(meter.steady_rate), "wall_s": self.wall_s,
+               "val_loss": st.val_loss, "train_loss": st.last_loss,
+               "optimizer_steps": p.plan.total_steps, "lr": p.lr, "model": c.model.name,
+               "data": c.data.name, "hardware": p.hw.name, "device": str(p.device),
+               "memory": hardware.memory_kind(p.device), "torch": torch.__version__,
+               "max_batch": p.layout.max_batch, "grad_checkpointing": c.model.grad_checkpointing,
+               "memory_cap_gib": p.hw.memory_gib,
+               "checkpoint": str(self.ckpt) if self.ckpt.exists() else None,
+               **{k.split("/")[1]: v for k, v in self.phases.result.items()}}
+        if self.error is not None:
+            out.update(error=str(self.error), exit_code=self.error.exit_code)
+        return out
 
     @property
     def wall_s(self) -> float:

@@ -63,7 +63,8 @@ class DivergenceGuard:
         if bad >= self.max_bad_steps:
             raise Diverged(
                 f"non-finite loss ({loss}) for {bad} steps in a row at step {step} "
-                f"(loss scale {scale}, lr {lr:.4g}). The weights are no longer usable. Try: a lower optimizer.lr, trainer.clip_grad_norm=1.0, "
+                f"(loss scale {scale}, lr {lr:.4g}). The weights are no longer usable. Try: a lower "
+                "optimizer.lr, trainer.clip_grad_norm=1.0, "
                 "scaler=conservative (init_scale 4096), or precision=bf16 (fp32's range). "
                 "debug.detect_anomaly=true finds the op that produced it.")
         if scale is not None and scale < self.min_scale:

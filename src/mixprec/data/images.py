@@ -1,15 +1,14 @@
 """What the image datasets (imagenet.py, cifar10.py) share: decoding, checked folders, the
 device-decode path and the loaders.
 
-An unreadable image either stops the run with its path (`data.bad_images=fail`, the default) or
-is skipped with a warning (`skip`). Workers decode with torchvision's decoders (PIL for formats they do not read), crop, resize and
-flip uint8 tensors (transforms.v2) and ship them as uint8 (a quarter of float32's bytes); the
-normalisation runs on the training device, one batch ahead on a side stream (loaders.prefetch).
-With `data.decode=device` the workers only read the JPEG bytes and draw the crop; decoding
-(nvJPEG on a GPU, through torchvision.io.decode_jpeg), crop, resize, flip and normalisation run
-on the device (images.py: DeviceDecode), staged by a background thread a couple of batches
-ahead — the path for when the CPU cores cannot decode as fast as the GPU trains.
-"""
+An unreadable image either stops the run with its path (`data.bad_images=fail`, the default) or is
+skipped with a warning (`skip`). Workers decode with torchvision's decoders (PIL for formats they
+do not read), crop, resize and flip uint8 tensors (transforms.v2) and ship them as uint8 (a
+quarter of float32's bytes); the normalisation runs on the training device, one batch ahead on a
+side stream (loaders.prefetch). With `data.decode=device` the workers only read the JPEG bytes and
+draw the crop; decoding (nvJPEG on a GPU, through torchvision.io.decode_jpeg), crop, resize, flip
+and normalisation run on the device (images.py: DeviceDecode), staged by a background thread a
+couple of batches ahead — the path for when the CPU cores cannot decode as fast as the GPU trains."""
 from __future__ import annotations
 
 import logging
