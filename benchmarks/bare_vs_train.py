@@ -6,7 +6,8 @@
     python benchmarks/bare_vs_train.py --preset gpu --rows amp+cl+compile,bf16+cl+graphs@384
     python benchmarks/bare_vs_train.py --preset gpu --rows amp+cl --train-args scaler.guard_bn_stats=false
 
-A row is `precision[+cl][+compile[:mode]][+opt:KEY]...[+graphs][@batch]`: channels_last,
+A row is `precision[+cl][+compile[:mode]][+opt:KEY]...[+graphs][@batch]` (precision: fp32, tf32,
+amp, bf16, fp8, fp8_rowwise): channels_last,
 torch.compile (and its mode, and inductor options set true, e.g. `+opt:conv_1x1_as_mm`), CUDA
 graphs (torch.cuda.make_graphed_callables), the batch. `--matrix` is fp32, tf32,
 amp, bf16 x channels_last off/on x compile off/on. Each side of a row is a fresh process on the
@@ -64,10 +65,15 @@ def bare(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = cuda
     set_tf32(precision != "fp32")
-    dtype = {"fp32": None, "tf32": None, "amp": torch.float16, "bf16": torch.bfloat16}[precision]
+    dtype = {"fp32": None, "tf32": None, "amp": torch.float16, "bf16": torch.bfloat16,
+             "fp8": torch.bfloat16, "fp8_rowwise": torch.bfloat16}[precision]
     fmt = torch.channels_last if row["channels_last"] else torch.contiguous_format
     if cuda:
-        model = timm.create_model("resnet50", num_classes=1000).to(device, memory_format=fmt)
+        model = timm.create_model(row["model"], num_classes=1000).to(device, memory_format=fmt)
+        if precision.startswith("fp8"):  # the same torchao conversion and layer filter as train.py
+            from mixprec.fp8 import Float8Training
+            recipe = "rowwise" if precision == "fp8_rowwise" else "tensorwise"
+            model = Float8Training(recipe, convert_head=False).prepare(model)
         data = [(torch.randn(batch, 3, 224, 224, device=device).contiguous(memory_format=fmt),
                  torch.randint(0, 1000, (batch,), device=device))]
         batches = lambda: iter(data * 10**9)  # noqa: E731  (the same batch every step)
@@ -207,6 +213,9 @@ def main() -> None:
     ap.add_argument("--compile", choices=["both", "off", "on"], default="both",
                     help="with --matrix: only the rows without/with compile")
     ap.add_argument("--rows", help="comma list of row specs (see the module docstring)")
+    ap.add_argument("--model", default="resnet50",
+                    help="gpu preset: the timm model of both sides (e.g. vit_base_patch16_224 for "
+                         "fp8 rows: ResNet-50's only Linear layer is its head)")
     ap.add_argument("--bare-only", action="store_true",
                     help="time only the bare loop (to compare switches quickly)")
     ap.add_argument("--gpus", help="GPU ids to spread rows over: 0,1 or all (default: one)")
@@ -227,7 +236,9 @@ def main() -> None:
         specs = [f"{pr}{cl}{c}" for c in comp for pr in precisions for cl in ("", "+cl")]
     else:
         specs = precisions
-    rows_in = [dict(parse_row(sp, p["batch"]), train_args=a.train_args.split())
+    model_args = [f"model.name={a.model}"] if a.preset == "gpu" else []
+    rows_in = [dict(parse_row(sp, p["batch"]), model=a.model,
+                    train_args=[*a.train_args.split(), *model_args])
                for sp in specs]
     import torch
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"

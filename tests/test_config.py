@@ -29,7 +29,8 @@ def test_every_option_composes_and_validates(group, option):
 
 
 def test_groups_have_the_required_options():
-    assert set(group_options("precision")) == {"fp32", "tf32", "amp", "amp_accum", "bf16"}
+    assert set(group_options("precision")) == {"fp32", "tf32", "amp", "amp_accum", "bf16", "fp8",
+                                               "fp8_rowwise"}
     assert {"dynamic", "conservative", "static", "off"} <= set(group_options("scaler"))
     assert {"sgd", "adamw"} <= set(group_options("optimizer"))
     assert {"cosine", "step", "onecycle", "constant"} <= set(group_options("scheduler"))

@@ -21,7 +21,8 @@ from conftest import ROOT, compose_cfg, run_train
 SHORT = ["trainer.max_steps=2", "trainer.min_steps=0", "trainer.log_every=1", "logger=none",
          "trainer.perf_warmup_steps=0"]
 TIMED = ["trainer.max_steps=11", "hydra.sweeper.n_trials=2"]  # optuna's objective is samples/s
-GPU = re.compile(r"experiment=(resnet50_synthetic|fast|seed_table)|needs_gpu=true|batch=auto|"
+GPU = re.compile(r"experiment=(resnet50_synthetic|fast|seed_table|fp8_table)|needs_gpu=true|"
+                 r"precision=fp8|batch=auto|"
                  r"cuda_graphs=true|hardware=(rtx3090|a100|h100|h200)")
 SWEEP_PRESETS = ("experiment=precision_sweep", "experiment=accuracy_parity",
                  "experiment=optuna_throughput")

@@ -138,3 +138,12 @@ def test_diagnose_cli_prints_the_audit():
                            "hardware=cpu"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "## dtype audit (bf16)" in proc.stdout and "features.0" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_sweep_rerun_into_its_own_dir_fails_rather_than_reports_old_results(tmp_path):
+    args = ["-m", "precision=fp32", "trainer.max_steps=2", "logger=none", f"hydra.sweep.dir={tmp_path}"]
+    assert run_train(args).returncode == 0
+    again = run_train(args)
+    assert again.returncode == 2, again.stderr[-2000:]  # refused: the dir holds a run
+    assert "already holds a run" in again.stdout + again.stderr

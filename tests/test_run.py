@@ -46,9 +46,9 @@ def check_run_dir(d: Path, wandb: bool = True) -> dict:
 
 @pytest.mark.parametrize("preset", group_options("experiment"))
 def test_every_experiment_preset_runs_two_steps(cfg_factory, preset):
-    # experiment=fast compiles ResNet-50: minutes on a 2-core CPU. Compile itself is tested on a
-    # tiny model (test_speed.py); here the rest of the preset runs eagerly.
-    eager = ["model.compile=false"] if preset == "fast" else []
+    # experiment=fast and fp8_table compile: minutes on a 2-core CPU. Compile itself is tested on
+    # a tiny model (test_speed.py); here the rest of the preset runs eagerly.
+    eager = ["model.compile=false"]
     synthetic = cfg_factory(f"experiment={preset}").data.name == "synthetic"
     cfg = cfg_factory(f"experiment={preset}", *TINY, *eager, *(TINY_SYNTHETIC if synthetic else []))
     run.run(cfg)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import batch_size, config, distributed, hardware, loop, models, optim, perf, precision
+from . import batch_size, config, distributed, fp8, hardware, loop, models, optim, perf, precision
 from . import data as datasets
 from .config import TrainConfig
 from .errors import ConfigError
@@ -52,14 +52,11 @@ class Parts:
     plan: loop.Plan
     lr: float  # the learning rate that runs (after LR scaling)
     flops_per_sample: int | None  # training FLOPs (for MFU; counted where a peak is known)
+    peak_tflops: float | None  # the dense peak this run's FLOPs could reach (for MFU)
 
     @property
     def run_dir(self) -> Path:
         return Path(self.config.run_dir)
-
-    @property
-    def peak_tflops(self) -> float | None:
-        return self.hw.peak_tflops.get(self.learner.precision.peak_key)
 
 
 def resolve_hardware(c: TrainConfig) -> hardware.HardwareConfig:
@@ -79,10 +76,9 @@ def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> 
     data = datasets.build(c.data, datasets.Context(
         layout.batch, device, c.seed, c.model.channels_last, dd.rank, dd.world,
         datasets.Workers(hw.num_workers, hw.pin_memory, hw.persistent_workers)))
-    model = models.build(c.model, data.num_classes, data.input_shape, device)
-    flops = (perf.train_flops_per_sample(model, data.input_shape, data.num_classes, device,
-                                         prec.autocast)
-             if hw.peak_tflops.get(prec.peak_key) else None)  # MFU needs a known peak
+    model = models.build(c.model, data.num_classes, data.input_shape, device,
+                         prec.linears.prepare)
+    flops, peak = _flops_and_peak(model, data, hw, prec, device)
     if c.model.cuda_graphs:  # a fixed batch shape: the one every training step has
         model = models.capture_graphs(model, example(c, data.input_shape, device, layout.batch),
                                       prec)
@@ -92,9 +88,24 @@ def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> 
     plan = _plan(c, len(data.train), layout)
     scheduler = optim.build_scheduler(c.scheduler, optimizer, plan.total_steps)
     learner = loop.Learner(model, optimizer, scheduler, prec)
-    parts = Parts(c, hw, dd, device, layout, data, learner, plan, lr, flops)
+    parts = Parts(c, hw, dd, device, layout, data, learner, plan, lr, flops, peak)
     announce(parts)
     return parts
+
+
+def _flops_and_peak(model, data, hw, prec, device) -> tuple[int | None, float | None]:
+    """Training FLOPs per sample and the dense peak they could reach: the profile's peak for the
+    run's dtype, blended with the float8 peak by the FLOP share of float8 layers (precision=fp8).
+    (None, None) where the profile knows no peak (the count is skipped)."""
+    if not hw.peak_tflops.get(prec.peak_key):
+        return None, None
+    total, in_float8 = perf.train_flops(model, data.input_shape, data.num_classes, device,
+                                        prec.autocast)
+    share = in_float8 / total if total else 0.0
+    if share:
+        log.info("precision=fp8: %.1f%% of the training FLOPs run in float8; MFU counts them "
+                 "against the float8 peak", 100 * share)
+    return total, fp8.blended_peak(hw.peak_tflops[prec.peak_key], hw.peak_tflops.get("fp8"), share)
 
 
 def _plan(c: TrainConfig, micro_batches_per_epoch: int, layout: Layout) -> loop.Plan:
@@ -156,10 +167,11 @@ def _auto_batch(c: TrainConfig, hw, device: torch.device) -> tuple[int, int]:
     num_classes, shape = datasets.spec(c.data)
 
     def new_learner() -> loop.Learner:
-        model = models.build(c.model, num_classes, shape, device)
+        prec = precision.build(c.precision, c.scaler, device)
+        model = models.build(c.model, num_classes, shape, device, prec.linears.prepare)
         opt = optim.build_optimizer(c.optimizer, model, 1e-6, device)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-        return loop.Learner(model, opt, sched, precision.build(c.precision, c.scaler, device))
+        return loop.Learner(model, opt, sched, prec)
 
     def inputs(b: int) -> tuple[torch.Tensor, torch.Tensor]:
         return example(c, shape, device, b), torch.randint(0, num_classes, (b,), device=device)
@@ -183,7 +195,8 @@ def audit_inputs(c: TrainConfig) -> tuple[torch.nn.Module, torch.Tensor, precisi
     device = hardware.setup(resolve_hardware(c))
     prec = precision.build(c.precision, c.scaler, device)
     num_classes, shape = datasets.spec(c.data)
-    return models.build(c.model, num_classes, shape, device), example(c, shape, device), prec
+    model = models.build(c.model, num_classes, shape, device, prec.linears.prepare)
+    return model, example(c, shape, device), prec
 
 
 def example(c: TrainConfig, input_shape, device, n: int = 2) -> torch.Tensor:
@@ -203,6 +216,9 @@ def announce(p: Parts) -> None:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     log.info("hardware=%s (%s), torch %s", p.hw.name, gpu, torch.__version__)
     log.info(prec.describe())
+    if prec.linears.converted and not c.model.compile:
+        log.warning("precision=fp8 without model.compile=true: torchao's float8 casts then run "
+                    "as separate eager kernels, usually slower than bf16; add model.compile=true")
     if device.type == "cpu" and prec.dtype is torch.float16:
         log.warning("precision=%s on the CPU: float16 autocast is emulated there, several times "
                     "slower than fp32 (measured on a 2-core CPU: benchmarks/RESULTS.md); it "

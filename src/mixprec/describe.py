@@ -88,6 +88,9 @@ def what_ran(p) -> dict:
            "mixprec": __version__}
     if prec.scaling:
         out["scaler"] = {k: v for k, v in dataclasses.asdict(c.scaler).items() if k != "enabled"}
+    if c.precision.fp8_recipe:
+        out.update(fp8_recipe=c.precision.fp8_recipe, fp8_head=c.precision.fp8_head,
+                   fp8_layers=len(prec.linears.converted))
     if lay.max_batch is not None:
         out["max_batch"] = lay.max_batch
     return {k: v for k, v in out.items() if v is not None}

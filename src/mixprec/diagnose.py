@@ -46,7 +46,9 @@ def audit(model: nn.Module, x: torch.Tensor, autocast) -> dict:
         if next(mod.children(), None) is None:  # leaves only
             def hook(m, args, out, name=name):
                 t = out[0] if isinstance(out, (tuple, list)) else out
-                if isinstance(t, torch.Tensor):
+                if type(m).__name__ == "Float8Linear":  # float8 matmul, bf16 output (torchao)
+                    dtypes[name] = "float8"
+                elif isinstance(t, torch.Tensor):
                     dtypes[name] = str(t.dtype).replace("torch.", "")
             handles.append(mod.register_forward_hook(hook))
     was_training = model.training
@@ -66,7 +68,7 @@ def audit(model: nn.Module, x: torch.Tensor, autocast) -> dict:
     total = sum(leaf_flops.values()) or 1
     modules = [{"module": n, "type": type(model.get_submodule(n)).__name__, "dtype": d,
                 "flops": leaf_flops[n], "share": leaf_flops[n] / total} for n, d in dtypes.items()]
-    low = sum(m["flops"] for m in modules if m["dtype"] in ("float16", "bfloat16"))
+    low = sum(m["flops"] for m in modules if m["dtype"] in ("float16", "bfloat16", "float8"))
     misaligned = []
     for n, mod in model.named_modules():
         if isinstance(mod, _LAYERS):
@@ -77,7 +79,10 @@ def audit(model: nn.Module, x: torch.Tensor, autocast) -> dict:
                 misaligned.append({"module": n, "type": type(mod).__name__, **dims,
                                    "not_multiple_of_8": ",".join(bad),
                                    "share": leaf_flops.get(n, 0) / total})
+    float8 = [m for m in modules if m["dtype"] == "float8"]
     return {"modules": modules, "total_forward_flops": total, "low_precision_share": low / total,
+            "float8_layers": [m["module"] for m in float8],
+            "float8_share": sum(m["flops"] for m in float8) / total,
             "misaligned": misaligned,
             "misaligned_share": sum(m["share"] for m in misaligned)}
 
@@ -85,7 +90,13 @@ def audit(model: nn.Module, x: torch.Tensor, autocast) -> dict:
 def markdown(result: dict, precision: str) -> str:
     fp32 = [m for m in result["modules"] if m["dtype"] == "float32" and m["flops"]]
     lines = [f"## dtype audit ({precision})", "",
-             f"{100 * result['low_precision_share']:.1f}% of forward FLOPs ran in fp16/bf16.", ""]
+             f"{100 * result['low_precision_share']:.1f}% of forward FLOPs ran in fp16/bf16/float8.",
+             ""]
+    if result["float8_layers"]:
+        lines += [f"{len(result['float8_layers'])} Linear layers ran in float8, "
+                  f"{100 * result['float8_share']:.1f}% of forward FLOPs: "
+                  + ", ".join(result["float8_layers"][:12])
+                  + (" ..." if len(result["float8_layers"]) > 12 else ""), ""]
     if fp32:
         lines += ["Modules with FLOPs that stayed in fp32:", "", "| module | type | share of FLOPs |",
                   "|---|---|---|"]

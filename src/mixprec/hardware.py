@@ -22,7 +22,7 @@ from .errors import ConfigError, check, one_of
 
 log = logging.getLogger(__name__)
 GIB = 1024**3
-PEAK_KEYS = ("fp32", "tf32", "fp16", "bf16")
+PEAK_KEYS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
 
 @dataclass

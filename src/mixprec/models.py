@@ -103,10 +103,15 @@ def check_name(name: str) -> None:
 
 
 def build(mcfg: ModelConfig, num_classes: int, input_shape: tuple[int, int, int],
-          device: torch.device) -> nn.Module:
-    """The model on its device, in its memory format, materialised, and compiled if asked."""
-    model = timm.create_model(mcfg.name, pretrained=False, num_classes=num_classes,
-                              in_chans=input_shape[0], **mcfg.kwargs)
+          device: torch.device, prepare=lambda model: model) -> nn.Module:
+    """The model on its device, in its memory format, materialised, `prepare`d (precision=fp8
+    converts its Linear layers) and compiled if asked."""
+    try:
+        model = timm.create_model(mcfg.name, pretrained=False, num_classes=num_classes,
+                                  in_chans=input_shape[0], **mcfg.kwargs)
+    except (TypeError, ValueError) as e:  # e.g. a model.kwargs key this model does not take
+        raise ConfigError(f"model.name={mcfg.name!r} with model.kwargs={dict(mcfg.kwargs)}: "
+                          f"{str(e).splitlines()[0][:200]}") from None
     model.to(device)
     _materialise(model, mcfg.name, input_shape, device)
     if mcfg.grad_checkpointing:
@@ -114,6 +119,7 @@ def build(mcfg: ModelConfig, num_classes: int, input_shape: tuple[int, int, int]
     if mcfg.channels_last:
         model.to(memory_format=torch.channels_last)
         log.info("model.channels_last: weights (and every input batch) in NHWC")
+    model = prepare(model)
     if mcfg.compile:
         t0 = time.perf_counter()
         model = compile_model(model, mcfg.compile_mode, dict(mcfg.compile_options))

@@ -79,11 +79,18 @@ class Throughput:
 
 
 def train_flops_per_sample(model: torch.nn.Module, input_shape, num_classes: int,
-                           device: torch.device, autocast, batch: int = 2) -> int:
-    """Forward + backward FLOPs of one sample, counted once by torch.utils.flop_counter on a copy
+                           device: torch.device, autocast, batch: int = 16) -> int:
+    """Forward + backward FLOPs of one sample (see train_flops)."""
+    return train_flops(model, input_shape, num_classes, device, autocast, batch)[0]
+
+
+def train_flops(model: torch.nn.Module, input_shape, num_classes: int, device: torch.device,
+                autocast, batch: int = 16) -> tuple[int, int]:
+    """(all, in float8 layers) forward + backward FLOPs of one sample, counted once by torch.utils.flop_counter on a copy
     of the real model (so BatchNorm statistics and gradients of the run are untouched).
     A torch.compile'd model is counted on its eager module: a compiled forward first called under
-    FlopCounterMode is not compiled for the real batch afterwards (benchmarks/RESULTS.md)."""
+    FlopCounterMode is not compiled for the real batch afterwards (benchmarks/RESULTS.md). A batch
+    of 16 keeps every matmul dimension a multiple of 16, as float8 matmuls need (precision=fp8)."""
     import copy
 
     from torch.utils.flop_counter import FlopCounterMode
@@ -91,12 +98,16 @@ def train_flops_per_sample(model: torch.nn.Module, input_shape, num_classes: int
     twin = copy.deepcopy(getattr(model, "_orig_mod", model)).train()
     x = torch.randn(batch, *input_shape, device=device)
     y = torch.randint(0, num_classes, (batch,), device=device)
+    float8 = {name for name, m in twin.named_modules() if type(m).__name__ == "Float8Linear"}
     with FlopCounterMode(display=False) as counter:
         with autocast():
             loss = torch.nn.functional.cross_entropy(twin(x).float(), y)
         loss.backward()
     del twin
-    return counter.get_total_flops() // batch
+    prefix = len(type(getattr(model, "_orig_mod", model)).__name__) + 1  # counter keys: Class.name
+    in_float8 = sum(sum(ops.values()) for key, ops in counter.get_flop_counts().items()
+                    if key[prefix:] in float8)
+    return counter.get_total_flops() // batch, in_float8 // batch
 
 
 def mfu(flops_per_sample: int | None, samples_per_s: float | None, peak_tflops: float | None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -15,7 +15,8 @@ from omegaconf import MISSING
 from torch import nn
 from torch.amp import GradScaler
 
-from .errors import ConfigError, check
+from . import fp8
+from .errors import ConfigError, check, one_of
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +29,17 @@ class PrecisionConfig:
     autocast: Optional[str] = MISSING  # autocast dtype: null (off), float16 or bfloat16
     tf32: bool = MISSING  # TF32 tensor cores for fp32 matmuls/convs (Ampere and later)
     accum: int = MISSING  # default micro-batches per optimizer step (the top-level `accum` reads it)
+    fp8_recipe: Optional[str] = None  # fp8 only: torchao's scaling (tensorwise, rowwise, ...)
+    fp8_head: Optional[bool] = None  # fp8 only: convert the classifier head too
 
     def __post_init__(self) -> None:
         check(self.autocast in (None, *_DTYPES), "precision.autocast", self.autocast,
               "null, float16 or bfloat16")
         check(self.accum >= 1, "precision.accum", self.accum, "an int >= 1")
+        if self.fp8_recipe is not None:
+            one_of("precision.fp8_recipe", self.fp8_recipe, fp8.RECIPES)
+            check(self.autocast == "bfloat16", "precision.autocast", self.autocast,
+                  "bfloat16 with precision.fp8_recipe (what float8 does not take runs in bf16)")
 
 
 @dataclass
@@ -74,6 +81,7 @@ class Precision:
     tf32: bool
     scaler: GradScaler  # enabled only for float16 autocast with a scaler configured
     guard_bn_stats: bool  # with an active scaler: BatchNormGuard puts overflowed stats back
+    linears: fp8.KeepLinears | fp8.Float8Training = field(default_factory=fp8.KeepLinears)
     cache: bool = True  # autocast's weight-cast cache (off under CUDA graphs, as torch requires)
 
     def autocast(self) -> AbstractContextManager:
@@ -133,8 +141,12 @@ def build(pcfg: PrecisionConfig, scfg: ScalerConfig, device: torch.device) -> Pr
                  backoff_factor=scfg.backoff_factor, growth_interval=scfg.growth_interval,
                  enabled=use_scaler)
     set_tf32(pcfg.tf32)
+    linears = fp8.KeepLinears()
+    if pcfg.fp8_recipe is not None:
+        fp8.check_device(device)
+        linears = fp8.Float8Training(pcfg.fp8_recipe, bool(pcfg.fp8_head))
     return Precision(pcfg.name, device.type, dtype, pcfg.tf32, scaler,
-                     guard_bn_stats=use_scaler and scfg.guard_bn_stats)
+                     guard_bn_stats=use_scaler and scfg.guard_bn_stats, linears=linears)
 
 
 class StepWatch:

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 COLUMNS = ["run", "status", "precision", "batch", "accum", "effective_batch", "samples_per_s",
            "speedup_vs_fp32", "peak_mem_gib", "mem_saving_vs_fp32", "mfu", "skipped_steps",
-           "loss_scale", "val_acc1", "max_batch", "max_batch_vs_fp32", "error"]
+           "loss_scale", "train_loss", "val_acc1", "max_batch", "max_batch_vs_fp32", "error"]
 
 
 def find_runs(paths: list[Path]) -> list[Path]:

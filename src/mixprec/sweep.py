@@ -3,6 +3,7 @@ first failed job's code once every job has run (train.yaml: hydra.callbacks.repo
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -18,14 +19,25 @@ class ReportCallback(Callback):
     that Hydra ends with a job's unexpected error still has its report), logs the final table to
     W&B when the multirun ends, and then exits with the first failed job's code, if any."""
 
+    def __init__(self) -> None:
+        self.failed: dict[str, tuple[int, str]] = {}  # jobs run in this process that failed
+
     def on_job_end(self, config, job_return=None, **kwargs) -> None:
-        if str(config.hydra.mode) == "RunMode.MULTIRUN":  # the table now, the plots at the end
-            self._write(Path(config.hydra.sweep.dir), to_wandb=False, plots=False)
+        if str(config.hydra.mode) != "RunMode.MULTIRUN":
+            return
+        value = getattr(job_return, "_return_value", None)
+        if str(getattr(job_return, "status", "")) == "JobStatus.FAILED" or (
+                isinstance(value, float) and math.isnan(value)):  # run.main's failed job
+            job = Path(config.hydra.runtime.output_dir).name
+            self.failed[job] = (2 if isinstance(value, float) else 1, "see the job's train.log")
+        self._write(Path(config.hydra.sweep.dir), to_wandb=False, plots=False)  # plots at the end
 
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         self._write(sweep_dir, to_wandb=None)
         failed = failures(sweep_dir)
+        seen = {run for run, _, _ in failed}
+        failed += [(job, *why) for job, why in self.failed.items() if job not in seen]
         if failed:
             for run, code, error in failed:
                 log.error("job %s failed (exit %d): %s", run, code, error)

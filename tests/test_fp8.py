@@ -1,0 +1,116 @@
+"""precision=fp8 (torchao float8 training): the option and its checks, which Linear layers it
+converts, plain checkpoints, the FLOP share and the MFU peak it implies, the dtype audit. Its
+training runs are GPU tests (test_gpu.py): float8 tensor cores need compute capability 8.9."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import diagnose, fp8, perf, precision, run
+from mixprec.config import validate
+from mixprec.errors import ConfigError
+
+from conftest import compose_cfg, group
+
+pytest.importorskip("torchao.float8")
+
+
+class Net(nn.Module):
+    """Linear layers that fit float8 (multiples of 16) and two that do not: one too narrow, and
+    the classifier head."""
+
+    pretrained_cfg = {"classifier": "head"}
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 64)
+        self.odd, self.head = nn.Linear(64, 24), nn.Linear(24, 10)
+
+    def forward(self, x):
+        return self.head(self.odd(torch.relu(self.fc2(torch.relu(self.fc1(x))))))
+
+
+def test_fp8_composes_as_a_precision_option():
+    c = validate(compose_cfg(["precision=fp8"]))
+    assert (c.precision.autocast, c.precision.fp8_recipe, c.precision.fp8_head) == (
+        "bfloat16", "tensorwise", False)
+    assert validate(compose_cfg(["precision=fp8_rowwise"])).precision.fp8_recipe == "rowwise"
+    assert validate(compose_cfg(["precision=bf16"])).precision.fp8_recipe is None
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["precision=fp8", "precision.fp8_recipe=blockwise"], "precision.fp8_recipe=.*tensorwise, rowwise"),
+    (["precision=fp8", "precision.autocast=float16"], "bfloat16 with precision.fp8_recipe"),
+])
+def test_bad_fp8_settings_name_the_key(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        validate(compose_cfg(overrides))
+
+
+def test_fp8_on_the_cpu_is_a_config_error_before_any_work(cfg_factory):
+    cfg = cfg_factory("precision=fp8")
+    with pytest.raises(ConfigError, match=r"float8 tensor cores \(compute capability >= 8.9.*CPU"):
+        run.run(cfg)
+
+
+def test_the_filter_converts_aligned_linears_but_not_the_head():
+    conv = fp8.Float8Training("tensorwise", convert_head=False)
+    model = conv.prepare(Net())
+    assert conv.converted == ["fc1", "fc2"]
+    assert type(model.fc1).__name__ == "Float8Linear" and type(model.head) is nn.Linear
+    assert type(model.odd) is nn.Linear  # 24 outputs: not a multiple of 16
+    both = fp8.Float8Training("rowwise", convert_head=True)
+    wide = Net()
+    wide.head = nn.Linear(24, 16)  # still fed by the 24-wide layer: in_features 24 is not aligned
+    both.prepare(wide)
+    assert both.converted == ["fc1", "fc2"]
+    head_too = fp8.Float8Training("tensorwise", convert_head=True)
+    aligned = Net()
+    aligned.odd, aligned.head = nn.Linear(64, 32), nn.Linear(32, 16)
+    head_too.prepare(aligned)
+    assert head_too.converted == ["fc1", "fc2", "odd", "head"]
+
+
+def test_a_timm_vit_keeps_its_head_in_bf16():
+    import timm
+    conv = fp8.Float8Training("tensorwise", convert_head=False)
+    vit = conv.prepare(timm.create_model("vit_small_patch16_224", num_classes=10))
+    assert len(conv.converted) == 48 and "head" not in conv.converted  # 12 blocks x qkv/proj/fc1/fc2
+    assert type(vit.head) is nn.Linear
+
+
+def test_a_converted_model_checkpoints_as_plain_tensors(tmp_path):
+    model = fp8.Float8Training("tensorwise", False).prepare(Net())
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=True)  # no code can run on load
+    fresh = fp8.Float8Training("tensorwise", False).prepare(Net())
+    fresh.load_state_dict(loaded)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                  fresh.state_dict().values()))
+
+
+def test_the_float8_flop_share_and_the_peak_it_implies():
+    torch.manual_seed(0)
+    model = fp8.Float8Training("tensorwise", False).prepare(Net())
+    bf16 = precision.build(group("precision", "bf16"), group("scaler"), torch.device("cpu"))
+    total, in_float8 = perf.train_flops(model, (32,), 10, torch.device("cpu"), bf16.autocast)
+    # forward 2*in*out per sample, backward twice that (torchao's Float8Linear computes the
+    # input gradient of fc1 too, though the network's input needs none)
+    per_layer = {"fc1": 2 * 32 * 64 * 3, "fc2": 2 * 64 * 64 * 3, "odd": 2 * 64 * 24 * 3,
+                 "head": 2 * 24 * 10 * 3}
+    assert in_float8 == per_layer["fc1"] + per_layer["fc2"]
+    assert total == sum(per_layer.values())
+    assert fp8.blended_peak(1000.0, 2000.0, 0.0) == 1000.0
+    assert fp8.blended_peak(1000.0, 2000.0, 1.0) == pytest.approx(2000.0)
+    assert fp8.blended_peak(1000.0, 2000.0, 0.5) == pytest.approx(1 / (0.25e-3 + 0.5e-3))
+    assert fp8.blended_peak(1000.0, None, 0.5) is None  # an unknown fp8 peak: no MFU
+
+
+def test_the_dtype_audit_lists_the_float8_layers():
+    model = fp8.Float8Training("tensorwise", False).prepare(Net())
+    bf16 = precision.build(group("precision", "bf16"), group("scaler"), torch.device("cpu"))
+    result = diagnose.audit(model, torch.randn(16, 32), bf16.autocast)
+    assert result["float8_layers"] == ["fc1", "fc2"]
+    assert 0 < result["float8_share"] < 1
+    assert "2 Linear layers ran in float8" in diagnose.markdown(result, "fp8")
