@@ -53,11 +53,19 @@ NodeName=node1 NodeHostname=$host NodeAddr=127.0.0.1 Port=6818 CPUs=$cpus RealMe
 NodeName=node2 NodeHostname=$host NodeAddr=127.0.0.1 Port=6819 CPUs=$cpus RealMemory=$mem State=UNKNOWN
 PartitionName=debug Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 EOF
-  pgrep -x slurmctld >/dev/null || slurmctld
-  pgrep -f "slurmd -N node1" >/dev/null || slurmd -N node1
-  pgrep -f "slurmd -N node2" >/dev/null || slurmd -N node2
+  for _ in 1 2 3; do  # a controller that is still shutting down holds the port: try again
+    pgrep -x slurmctld >/dev/null || slurmctld
+    timeout 10 scontrol ping 2>/dev/null | grep -q UP && break
+    sleep 2
+  done
+  if [ "$(timeout 5 sinfo -h -t idle -o %D 2>/dev/null)" != "2" ]; then
+    pkill -9 -x slurmd 2>/dev/null || true  # a slurmd left waiting for an earlier controller
+    sleep 0.5
+    slurmd -N node1
+    slurmd -N node2
+  fi
   for _ in $(seq 60); do
-    if [ "$(sinfo -h -t idle -o %D 2>/dev/null)" = "2" ]; then
+    if [ "$(timeout 5 sinfo -h -t idle -o %D 2>/dev/null)" = "2" ]; then
       echo "SLURM cluster up: 2 nodes (SLURM_CONF=$SLURM_CONF)"
       return 0
     fi
@@ -69,9 +77,15 @@ EOF
 }
 
 stop() {
-  scancel --user=root 2>/dev/null || true
+  timeout 10 scancel --user=root 2>/dev/null || true
   pkill -x slurmd 2>/dev/null || true
   pkill -x slurmctld 2>/dev/null || true
+  for _ in $(seq 40); do  # gone, so that a start right after finds the ports free
+    pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null || return 0
+    sleep 0.25
+  done
+  pkill -9 -x slurmd 2>/dev/null || true
+  pkill -9 -x slurmctld 2>/dev/null || true
 }
 
 "${1:-start}"
