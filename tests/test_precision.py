@@ -361,7 +361,7 @@ def test_mfu_flop_count_matches_a_hand_count():
     linear = 2 * 512 * 10
     # backward: weight grads for both; input grad for the linear only (the image needs none)
     want = conv + linear + conv + 2 * linear
-    assert perf.train_flops_per_sample(model, (3, 8, 8), 10, CPU, amp.autocast) == want
+    assert perf.train_flops(model, (3, 8, 8), 10, CPU, amp.autocast)[0] == want
     assert all(p.grad is None for p in model.parameters())  # counted on a copy
     assert perf.mfu(want, 1000.0, 1.0) == pytest.approx(want * 1000 / 1e12)
     assert perf.mfu(want, 1000.0, None) is None

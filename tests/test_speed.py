@@ -70,8 +70,8 @@ def test_counting_flops_does_not_compile_the_model_for_another_shape():
                                 torch.nn.Linear(4 * 6 * 6, 10))
     compiled = torch.compile(eager, backend=backend)
     cpu = torch.device("cpu")
-    flops = perf.train_flops_per_sample(compiled, (3, 8, 8), 10, cpu, contextlib.nullcontext)
-    assert flops == perf.train_flops_per_sample(eager, (3, 8, 8), 10, cpu, contextlib.nullcontext)
+    flops = perf.train_flops(compiled, (3, 8, 8), 10, cpu, contextlib.nullcontext)[0]
+    assert flops == perf.train_flops(eager, (3, 8, 8), 10, cpu, contextlib.nullcontext)[0]
     assert graphs == []  # nothing compiled yet: the first real batch fixes the static shape
     compiled(torch.zeros(5, 3, 8, 8))
     assert len(graphs) == 1

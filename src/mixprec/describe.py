@@ -96,24 +96,18 @@ def what_ran(p) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def write_failed(run_dir: Path, c, e: MixprecError) -> None:
-    """summary.json for a run that failed before training (a resume that does not fit, a
-    model that cannot take the data): the run dir never says `completed` for it."""
-    write_json_atomic(run_dir / "summary.json", {
-        "status": "failed", "precision": c.precision.name, "batch": c.batch, "steps": 0,
-        "model": c.model.name, "data": c.data.name, "error": str(e), "exit_code": e.exit_code})
-
-
-def record_failed_job(cfg, e: MixprecError) -> None:
-    """A multirun job that failed before its run wrote a summary (a config error): its summary
-    says why, for the sweep's report and exit code."""
+def record_failure(cfg, e: MixprecError, replace: bool = False) -> None:
+    """summary.json for a run that failed before training wrote one: a multirun job with a
+    config error (for the sweep's report and exit code), or, with `replace`, a resume that did
+    not fit a run dir whose earlier summary would still say `completed`."""
     from omegaconf import OmegaConf
-    run_dir = Path(OmegaConf.select(cfg, "run_dir", default="."))
-    if run_dir.is_dir() and not (run_dir / "summary.json").exists():
-        pick = lambda key: OmegaConf.select(cfg, key, default=None, throw_on_missing=False)  # noqa: E731
+    pick = lambda key: OmegaConf.select(cfg, key, default=None, throw_on_missing=False)  # noqa: E731
+    run_dir = Path(pick("run_dir") or ".")
+    if run_dir.is_dir() and (replace or not (run_dir / "summary.json").exists()):
         write_json_atomic(run_dir / "summary.json", {
             "status": "failed", "precision": pick("precision.name"), "batch": pick("batch"),
-            "steps": 0, "error": str(e), "exit_code": e.exit_code})
+            "steps": 0, "model": pick("model.name"), "data": pick("data.name"), "error": str(e),
+            "exit_code": e.exit_code})
 
 
 def final_line(s) -> str:

@@ -78,12 +78,6 @@ class Throughput:
             self.steady_rate = None
 
 
-def train_flops_per_sample(model: torch.nn.Module, input_shape, num_classes: int,
-                           device: torch.device, autocast, batch: int = 16) -> int:
-    """Forward + backward FLOPs of one sample (see train_flops)."""
-    return train_flops(model, input_shape, num_classes, device, autocast, batch)[0]
-
-
 def train_flops(model: torch.nn.Module, input_shape, num_classes: int, device: torch.device,
                 autocast, batch: int = 16) -> tuple[int, int]:
     """(all, in float8 layers) forward + backward FLOPs of one sample, counted once by torch.utils.flop_counter on a copy

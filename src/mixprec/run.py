@@ -36,7 +36,7 @@ def main(cfg: DictConfig) -> float | None:
         log.error("%s: %s", e.label, e)
         # a stop signal ends an in-process sweep; a job in its own process (SLURM) just ends
         if describe.multirun() and (describe.own_process() or not isinstance(e, Preempted)):
-            describe.record_failed_job(cfg, e)
+            describe.record_failure(cfg, e)
             return math.nan
         raise SystemExit(e.exit_code) from None
 
@@ -59,7 +59,7 @@ def run(cfg: DictConfig) -> dict:
                 return session.train()
             except MixprecError as e:  # e.g. a resume that failed: the summary must not say
                 if earlier and not (session and session.summary):  # `completed` any more
-                    describe.write_failed(run_dir, c, e)
+                    describe.record_failure(cfg, e, replace=True)
                 raise
     finally:
         distributed.close()
