@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install train test test-gpu bench bench-headline bench-cpu bench-memory bench-loader bench-scaling clean
+.PHONY: install train test test-gpu bench bench-headline bench-cpu bench-memory bench-loader bench-profile bench-prepared bench-scaling clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml
@@ -34,8 +34,14 @@ bench: $(STAMP)          ## train.py vs a bare loop: fp32/tf32/amp/bf16 x channe
 bench-memory: $(STAMP)   ## batch=auto vs an independent bisection under a 24 GiB cap (fp32, amp, amp+ckpt)
 	$(BIN)/python benchmarks/batch_search.py
 
-bench-loader: $(STAMP)   ## JPEG loader (CPU workers vs nvJPEG) next to the GPU's training rate
+bench-loader: $(STAMP)   ## every data path (original / prepared copy, workers / nvJPEG) next to the GPU's rate
 	$(BIN)/python benchmarks/loader.py
+
+bench-profile: $(STAMP)  ## where experiment=fast's step goes (kernels by kind, GPU idle)
+	$(BIN)/python benchmarks/profile_step.py
+
+bench-prepared: $(STAMP) ## accuracy on the original JPEGs vs the prepared copy (generated digit photos)
+	$(BIN)/python benchmarks/prepared_accuracy.py
 
 bench-scaling: $(STAMP)  ## DDP: 1 GPU vs torchrun on 2 GPUs, same per-GPU batch
 	$(BIN)/python benchmarks/scaling.py

@@ -1,23 +1,29 @@
-"""Can the input pipeline keep up with the GPU? Loader throughput on generated ImageNet-sized JPEGs
-next to the GPU's ResNet-50 training rate, measured in one run.
+"""Can the input pipeline keep up with the GPU? Every data path of `data=imagenet` next to the GPU's
+rate on synthetic data, measured in one run on generated ImageNet-sized JPEGs.
 
-    python3 benchmarks/loader.py                     # 10,000 JPEGs, 16 workers, batch 256
-    python3 benchmarks/loader.py --no-train          # loader rates only
+    python3 benchmarks/loader.py                          # every row (about 9 min on one H200)
+    python3 benchmarks/loader.py --rows core,loader       # the CPU ceiling and the loader alone
+    python3 benchmarks/loader.py --rows eager --images 20000
 
-Each row reports its overall rate and the median of its 10-batch (10-step) windows: a 10,000-image
-folder restarts its epoch every 39 batches (and train.py evaluates then), which a real dataset's
-5,000-batch epochs do not; the median leaves those restarts out.
-
-Rows: (1) the loader alone, each `data.decode` path (workers: decode + RandomResizedCrop in
-DataLoader workers; device: workers read bytes, nvJPEG decodes on the GPU), images/s delivered
-on the GPU as normalised float batches; (2) train.py on synthetic data (the GPU's rate, no input
-pipeline); (3) train.py end to end on the JPEG folder with each decode path. The JPEGs sit in
-the page cache (a warm dataset): disk speed is not measured.
+Rows (--rows, comma-separated groups):
+- core:   the CPU decode ceiling: images/s on one core of what a worker does per image
+          (decode + RandomResizedCrop + flip), for the original JPEGs and the prepared copy;
+- loader: the training loader alone, 150 batches across epochs, images/s delivered on the GPU as
+          normalised float batches, per path (original or prepared copy; decode in workers or
+          on the GPU with nvJPEG);
+- eager:  train.py, ResNet-50 amp channels_last batch 256: synthetic data, the original JPEGs,
+          the prepared copy (decoded by the workers, and by nvJPEG);
+- fast:   train.py experiment=fast (compiled, batch 512): synthetic, the prepared copy (and the
+          original JPEGs with the group `fast-original`).
+Each train.py row runs whole epochs (3 by default) of a folder with >= 100 steps per epoch and
+reports summary.json's samples_per_s (every training step after the warm-up, epoch boundaries
+included; evaluation excluded) and the median of its 10-step windows (inside an epoch), each as a
+ratio to the synthetic row of the same config. The JPEGs sit in the page cache (a warm dataset):
+disk speed is not measured.
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -30,6 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = [(500, 375), (375, 500), (500, 333), (500, 400), (640, 480), (400, 300)]  # ImageNet-like
+EAGER = ["model=resnet50", "precision=amp", "model.channels_last=true", "batch=256"]
+FAST = ["experiment=fast"]
 
 
 def _jpeg(args) -> int:
@@ -51,10 +59,31 @@ def make_jpegs(root: Path, n_train: int, n_val: int, classes: int, workers: int)
         for i in range(n):
             d = root / split / f"c{i % classes:03d}"
             d.mkdir(parents=True, exist_ok=True)
-            jobs.append((d / f"{i}.jpg", i + (0 if split == "train" else 10**6)))
+            jobs.append((d / f"{i}.jpg", i + (0 if split == "train" else 10**7)))
     with Pool(workers) as pool:
         sizes = pool.map(_jpeg, jobs, chunksize=64)
-    return {"images": len(sizes), "mean_kb": sum(sizes) / len(sizes) / 1024}
+    return {"images": len(sizes), "mean_kb": round(sum(sizes) / len(sizes) / 1024, 1)}
+
+
+def core_rate(root: Path, n: int = 800) -> dict:
+    """One core's images/s of a worker's work (decode + RandomResizedCrop(224) + flip)."""
+    import torch
+    from torchvision.transforms import v2
+    from mixprec.data.images import CheckedImageFolder, read_image
+    torch.set_num_threads(1)  # as in a DataLoader worker
+    ds = CheckedImageFolder(root / "train", v2.Compose([
+        v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip()]), False)
+    for i in range(50):  # warm: page cache, allocator
+        ds[i]
+    t0 = time.perf_counter()
+    for i in range(50, 50 + n):
+        ds[i]
+    full = n / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for i in range(50, 50 + n):
+        read_image(ds.samples[i][0])
+    return {"images_per_s_per_core": round(full), "decode_only_per_core": round(
+        n / (time.perf_counter() - t0))}
 
 
 def loader_rate(root: Path, decode: str, batch: int, workers: int, batches: int) -> dict:
@@ -64,14 +93,16 @@ def loader_rate(root: Path, decode: str, batch: int, workers: int, batches: int)
     c = validate(compose_config(["data=imagenet", f"data.root={root}", f"data.decode={decode}",
                                  "hardware=h200", f"hardware.num_workers={workers}"]))
     hw = c.hardware
-    workers_ = data.Workers(hw.num_workers, hw.pin_memory, hw.persistent_workers)
     d = data.build(c.data, data.Context(batch, torch.device("cuda"), 0, channels_last=True,
-                                        workers=workers_))
+                                        workers=data.Workers(hw.num_workers, hw.pin_memory,
+                                                             hw.persistent_workers)))
 
-    def epochs():  # as training sees them: epoch after epoch (10,000 JPEGs are 39 batches)
-        for epoch in itertools.count():
+    def epochs():  # as training sees them: epoch after epoch
+        epoch = 0
+        while True:
             d.train.set_epoch(epoch)
             yield from d.train
+            epoch += 1
 
     it, warmup = epochs(), 20  # the first batches include the workers' start
     for _ in range(warmup):
@@ -80,7 +111,7 @@ def loader_rate(root: Path, decode: str, batch: int, workers: int, batches: int)
     t0, n, marks = time.perf_counter(), 0, []
     for x, _ in it:
         n += 1
-        if n % 10 == 0:  # windows of 10 batches: their median leaves out the epoch restarts
+        if n % 10 == 0:
             torch.cuda.current_stream().synchronize()
             marks.append(time.perf_counter())
         if n == batches:
@@ -88,54 +119,55 @@ def loader_rate(root: Path, decode: str, batch: int, workers: int, batches: int)
     x.sum().item()  # the last batch really arrived
     dt = time.perf_counter() - t0
     it.close()
-    d.close()  # stop the 16 workers now (at exit torch 2.11 would wait 5 s for each)
+    d.close()
     windows = [10 * batch / (b - a) for a, b in zip([t0, *marks], marks)]
-    return {"decode": decode, "batches": n, "images_per_s": n * batch / dt,
-            "median_window_images_per_s": statistics.median(windows)}
+    return {"images_per_s": round(n * batch / dt),
+            "median_window": round(statistics.median(windows))}
 
 
-def train_rate(extra: list[str], steps: int, warmup: int, timeout: float) -> dict:
+def train_rate(args: list[str], timeout: float) -> dict:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, str(ROOT / "train.py"), "model=resnet50", "precision=amp",
-               "model.channels_last=true", "batch=256", "logger=none", f"hydra.run.dir={d}",
-               f"trainer.max_steps={steps}", f"trainer.perf_warmup_steps={warmup}",
-               "trainer.log_every=10", *extra]
+        cmd = [sys.executable, str(ROOT / "train.py"), "logger=none", f"hydra.run.dir={d}",
+               "trainer.log_every=10", *args]
         try:
             p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:  # keep what it logged: where did the time go?
+        except subprocess.TimeoutExpired:
             log = (Path(d) / "train.log").read_text() if (Path(d) / "train.log").exists() else ""
-            return {"args": extra, "error": f"timed out after {timeout:.0f}s",
-                    "log_head": log[:2500], "log_tail": log[-2500:]}
+            return {"error": f"timed out after {timeout:.0f}s", "log_tail": log[-2500:]}
         if p.returncode:
-            return {"args": extra, "error": p.stderr[-2000:]}
+            return {"error": f"exit {p.returncode}", "stdout": p.stdout[-1500:],
+                    "stderr": p.stderr[-1500:]}
         s = json.loads((Path(d) / "summary.json").read_text())
         rows = [json.loads(r) for r in (Path(d) / "metrics.jsonl").read_text().splitlines()]
-        head = (Path(d) / "train.log").read_text()[:1500]  # start-up: where the time goes
+    warm = next((int(a.split("=")[1]) for a in args if "perf_warmup_steps" in a), 5)
     windows = [r["perf/samples_per_s"] for r in rows
-               if "perf/samples_per_s" in r and r["step"] > warmup]
-    return {"args": extra, "samples_per_s": s["samples_per_s"],
-            "median_window_samples_per_s": statistics.median(windows) if windows else None,
-            "peak_mem_gib": s["peak_mem_gib"], "wall_s": round(time.perf_counter() - t0, 1),
-            "log_head": head}
+               if r.get("perf/samples_per_s") and r["step"] > warm]
+    return {"samples_per_s": round(s["samples_per_s"]),
+            "median_window": round(statistics.median(windows)) if windows else None,
+            "steps": s["steps"], "val_acc1": s.get("val_acc1"), "peak_mem_gib": s["peak_mem_gib"],
+            "wall_s": round(time.perf_counter() - t0, 1)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--images", type=int, default=10_000)
-    ap.add_argument("--workers", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--batches", type=int, default=100, help="timed loader-only batches")
-    ap.add_argument("--train-steps", type=int, default=400,
-                    help="end-to-end steps: long enough to drain the workers' prefetch buffer")
-    ap.add_argument("--no-train", action="store_true")
-    ap.add_argument("--timeout", type=float, default=600, help="seconds per train.py run")
+    ap.add_argument("--images", type=int, default=52_000, help="training JPEGs (>= 100 steps "
+                                                               "per epoch at batch 512)")
+    ap.add_argument("--val", type=int, default=1_000)
+    ap.add_argument("--classes", type=int, default=100)
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--short-side", type=int, default=256, help="the prepared copy's")
+    ap.add_argument("--epochs", type=int, default=3, help="train.py rows: whole epochs")
+    ap.add_argument("--rows", default="core,loader,eager,fast")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per train.py run")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "loader.json")
     a = ap.parse_args()
     import torch
+    from mixprec import prepare
+    groups = set(a.rows.split(","))
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "cpu_cores": os.cpu_count(), "workers": a.workers,
-            "batch": a.batch, "command": " ".join(["python3", *sys.argv])}
+            "torch": torch.__version__, "cpu_cores": len(os.sched_getaffinity(0)),
+            "workers": a.workers, "command": " ".join(["python3", *sys.argv])}
     rows: list[dict] = []
 
     def save(row: dict) -> None:
@@ -145,30 +177,50 @@ def main() -> None:
         a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp) / "jpegs"
+        raw, small = Path(tmp) / "jpegs", Path(tmp) / f"jpegs-{a.short_side}"
         t0 = time.perf_counter()
-        meta["dataset"] = make_jpegs(root, a.images, 50 * 10, 10, a.workers)
+        meta["dataset"] = make_jpegs(raw, a.images, a.val, a.classes, a.workers)
         meta["dataset"]["generate_s"] = round(time.perf_counter() - t0, 1)
-        print(meta["dataset"], flush=True)
-        for decode in ("workers", "device"):
-            save({"row": f"loader only, decode={decode}",
-                  **loader_rate(root, decode, a.batch, a.workers, a.batches)})
-        if not a.no_train:
-            save({"row": "train.py, synthetic data (GPU rate)",
-                  **train_rate(["data=synthetic"], 60, 15, a.timeout)})
-            for decode in ("workers", "device"):
-                save({"row": f"train.py, JPEG folder, decode={decode}",
-                      **train_rate(["data=imagenet", f"data.root={root}", f"data.decode={decode}",
-                                    f"hardware.num_workers={a.workers}"],
-                                   a.train_steps, a.train_steps // 2, a.timeout)})
-    print(f"\n{meta['date']} {meta['gpu']}, torch {meta['torch']}, {a.workers} workers, "
-          f"batch {a.batch}, {meta['dataset']['images']} JPEGs of {meta['dataset']['mean_kb']:.0f} KB")
-    print("| path | images/s overall | median 10-step window (no epoch restarts) |\n|---|---|---|")
+        rec = prepare.prepare(raw, small, prepare.Recipe(a.short_side, 90, False), a.workers,
+                              progress=False)
+        meta["prepared"] = {k: rec[k] for k in ("short_side", "quality", "images", "seconds")}
+        meta["prepared"]["mean_kb"] = round(rec["bytes"] / rec["images"] / 1024, 1)
+        print(meta, flush=True)
+        paths = {"original": raw, f"prepared {a.short_side}": small}
+        if "core" in groups:
+            for name, root in paths.items():
+                save({"row": f"one core, {name}", **core_rate(root)})
+        if "loader" in groups:
+            for name, root in paths.items():
+                for decode in ("workers", "device"):
+                    save({"row": f"loader alone, {name}, decode={decode}",
+                          **loader_rate(root, decode, 256, a.workers, 150)})
+        per_epoch = {"eager": a.images // 256, "fast": a.images // 512}
+        prepared = f"prepared {a.short_side}"
+        runs = {"eager": [("original", "workers"), (prepared, "workers"), (prepared, "device")],
+                "fast": [(prepared, "workers"), *([("original", "workers")]
+                                                  if "fast-original" in groups else [])]}
+        for group, base in (("eager", EAGER), ("fast", FAST)):
+            if group not in groups:
+                continue
+            common = [*base, f"trainer.epochs={a.epochs}", "trainer.max_steps=null",
+                      "trainer.min_steps=0", "trainer.perf_warmup_steps=30"]
+            synth = train_rate([*common, "data=synthetic", f"data.num_classes={a.classes}",
+                                f"data.steps_per_epoch={per_epoch[group]}"], a.timeout)
+            save({"row": f"{group}: train.py, synthetic data", **synth})
+            for name, decode in runs[group]:
+                r = train_rate([*common, "data=imagenet", f"data.root={paths[name]}",
+                                f"data.decode={decode}", f"hardware.num_workers={a.workers}"],
+                               a.timeout)
+                for k in ("samples_per_s", "median_window"):
+                    if r.get(k) and synth.get(k):
+                        r[f"{k}_vs_synthetic"] = round(r[k] / synth[k], 3)
+                save({"row": f"{group}: train.py, {name}, decode={decode}", **r})
+    print(f"\n{meta['date']} {meta['gpu']}, torch {meta['torch']}, {meta['cpu_cores']} cores, "
+          f"{a.workers} workers, {meta['dataset']['images']} JPEGs of "
+          f"{meta['dataset']['mean_kb']:.0f} KB; prepared copy {meta['prepared']['mean_kb']:.0f} KB")
     for r in rows:
-        rate = r.get("images_per_s") or r.get("samples_per_s")
-        med = r.get("median_window_images_per_s") or r.get("median_window_samples_per_s")
-        print(f"| {r['row']} | {rate:,.0f} | {med:,.0f} |" if rate and med
-              else f"| {r['row']} | {r.get('error', 'error')[:60]} | |")
+        print(json.dumps(r))
 
 
 if __name__ == "__main__":

@@ -181,13 +181,41 @@ def test_persistent_workers_serve_the_same_batches(tmp_path):
     from mixprec.data import Context, Workers
     ctx = Context(8, torch.device("cpu"), seed=3, workers=Workers(num_workers=2))
     fresh, kept = EpochLoader(ds, ctx), EpochLoader(ds, ctx, persistent=True)
-    for epoch, skip in [(0, 0), (1, 0), (2, 2)]:
+    streams = []
+    for epoch, skip in [(0, 0), (1, 0), (2, 0), (2, 2), (3, 0)]:
         got = []
         for loader in (fresh, kept):
             loader.set_epoch(epoch, skip)
             got.append([y.tolist() for _, y in loader])
         assert got[0] == got[1] and len(got[0]) == 5 - skip
-    assert kept._loader is not None and fresh._loader is None
+        streams.append(kept._stream)
+    assert fresh._stream is None
+    # epochs 0-2 came from one stream (its workers ran on into the next epoch); the resume at
+    # (2, 2) started another, which went on into epoch 3
+    assert streams[0] is streams[1] is streams[2] and streams[3] is streams[4] is not streams[2]
+
+
+def test_a_persistent_stream_left_part_way_resumes_where_asked(tmp_path):
+    """An epoch abandoned after two batches (max_steps) and a later set_epoch elsewhere: the
+    batches are those of a fresh loader, never the abandoned stream's next ones."""
+    import torch
+    from torch.utils.data import TensorDataset
+    from mixprec.data import Context, Workers
+    from mixprec.data.loaders import EpochLoader
+    ds = TensorDataset(torch.arange(40).float(), torch.arange(40))
+    ctx = Context(8, torch.device("cpu"), seed=5, workers=Workers(num_workers=2))
+    fresh, kept = EpochLoader(ds, ctx), EpochLoader(ds, ctx, persistent=True)
+    kept.set_epoch(0)
+    it = iter(kept)
+    first = [next(it)[1].tolist() for _ in range(2)]
+    it.close()
+    fresh.set_epoch(0)
+    assert first == [y.tolist() for _, y in fresh][:2]
+    for loader in (fresh, kept):
+        loader.set_epoch(1, 1)
+    assert [y.tolist() for _, y in kept] == [y.tolist() for _, y in fresh]
+    kept.close()
+    assert kept._stream is None
 
 
 def test_a_run_stops_its_persistent_workers_before_it_returns(cfg_factory, tmp_path, monkeypatch):
@@ -211,3 +239,13 @@ def test_a_run_stops_its_persistent_workers_before_it_returns(cfg_factory, tmp_p
     assert summary["steps"] == 2  # of 12 micro-batches: the epoch was left part-way
     assert len(seen) >= 2  # the two persistent train workers were running
     assert not any(w.is_alive() for w in seen)
+
+
+def test_the_fast_preset_takes_a_real_dataset(cfg_factory, tmp_path):
+    """experiment=fast data=imagenet (the README's real-data command) composes and validates: the
+    preset sets no key of one dataset (it once set data.steps_per_epoch, synthetic's only, and
+    every real-data run of it stopped with exit 2)."""
+    from mixprec.config import validate
+    root = make_folder(tmp_path / "imgs", n=2)
+    c = validate(cfg_factory("experiment=fast", "data=imagenet", f"data.root={root}"))
+    assert c.data.name == "imagenet" and c.model.compile_mode == "reduce-overhead"

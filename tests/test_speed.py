@@ -183,3 +183,35 @@ def test_batch_search_leaves_cudnn_benchmark_as_it_was_even_on_error():
         assert torch.backends.cudnn.benchmark is True
     finally:
         torch.backends.cudnn.benchmark = before
+
+
+@pytest.mark.parametrize("name,block,count", [("resnet18", "BasicBlock", 8),
+                                              ("convnext_tiny", "ConvNeXtBlock", 18),
+                                              ("vit_small_patch16_224", "Block", 12)])
+def test_the_repeated_blocks_of_timm_models_are_found(name, block, count):
+    import timm
+    blocks = models.repeated_blocks(timm.create_model(name, num_classes=10))
+    assert len(blocks) == count and {type(b).__name__ for b in blocks} == {block}
+
+
+def test_blocks_scope_compiles_in_place_and_trains_like_eager(cfg_factory, tmp_path):
+    """model.compile_scope=blocks: the same losses as eager, the checkpoint's keys unchanged
+    (no `_orig_mod.`), and a model without repeated blocks is a config error naming the key."""
+    eager = cfg_factory(*SYNTH)
+    blocks = cfg_factory(*SYNTH, "model.compile=true", "model.compile_scope=blocks",
+                         f"run_dir={tmp_path / 'blocks'}")
+    run.run(eager)
+    assert run.run(blocks)["status"] == "completed"
+    assert losses(blocks) == pytest.approx(losses(eager), rel=1e-3)
+    keys = [set(torch.load(Path(c.run_dir) / "checkpoints" / "last.pt",
+                           weights_only=True)["model"]) for c in (eager, blocks)]
+    assert keys[0] == keys[1]
+    with pytest.raises(ConfigError, match="compile_scope=blocks: model.name='mixprec_digits_mlp' "
+                                          "has no repeated blocks"):
+        run.run(cfg_factory("model=digits_mlp", "model.compile=true",
+                            "model.compile_scope=blocks", f"run_dir={tmp_path / 'mlp'}"))
+    with pytest.raises(ConfigError, match="model.compile_scope.*'layers'.*model, blocks"):
+        validate(cfg_factory("model.compile_scope=layers"))
+    with pytest.raises(ConfigError, match="model.compile_scope.*compile_mode=reduce-overhead"):
+        validate(cfg_factory("model.compile=true", "model.compile_scope=blocks",
+                             "model.compile_mode=reduce-overhead"))

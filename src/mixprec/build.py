@@ -181,7 +181,7 @@ def _auto_batch(c: TrainConfig, hw, device: torch.device) -> tuple[int, int]:
     key = {"model": c.model.name, "kwargs": c.model.kwargs, "shape": list(shape),
            "classes": num_classes, "autocast": c.precision.autocast, "scaler": c.scaler.enabled,
            "optimizer": c.optimizer.name, "channels_last": c.model.channels_last,
-           "compile": [c.model.compile, c.model.compile_mode],
+           "compile": [c.model.compile, c.model.compile_mode, c.model.compile_scope],
            "grad_checkpointing": c.model.grad_checkpointing,
            "gpu": torch.cuda.get_device_name(device), "memory_gib": hw.memory_gib,
            "torch": torch.__version__, "clip": c.trainer.clip_grad_norm is not None,

@@ -3,6 +3,7 @@ and the GPU prefetcher that overlaps the next batch's host-to-device copy (and i
 normalisation on the GPU) with the current step's compute."""
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 from contextlib import nullcontext
@@ -119,7 +120,9 @@ class EpochLoader:
     `stage` turns a collated CPU batch into (inputs, targets) on the device (default: copy);
     on a GPU it runs one batch ahead on a side stream (see prefetch), or, with
     `stage_thread=True` (for heavy stages), in a background thread (prefetch_in_thread).
-    Workers come from `ctx.workers`; `persistent` keeps them across epochs when there are any."""
+    Workers come from `ctx.workers`. With `persistent` (and workers), one stream of batches runs
+    across epochs: the workers decode the next epoch's first batches while this epoch ends and
+    the model evaluates, so an epoch boundary costs no refill of the pipeline."""
 
     def __init__(self, dataset: Dataset, ctx: Context, shuffle: bool = True,
                  drop_last: bool = True, collate_fn=None, stage: Callable | None = None,
@@ -134,9 +137,9 @@ class EpochLoader:
         self.stage_thread = stage_thread
         self.loader_kw = dict(num_workers=workers, collate_fn=collate_fn,
                               pin_memory=ctx.workers.pin_memory and ctx.device.type == "cuda",
-                              prefetch_factor=4 if workers else None,
-                              persistent_workers=self.persistent)
-        self._loader: DataLoader | None = None
+                              prefetch_factor=4 if workers else None)
+        self._stream: Iterator | None = None  # persistent: batches of this and later epochs
+        self._stream_at: tuple[int, int] | None = None  # (epoch, batch) it yields next
 
     def __len__(self) -> int:
         n = len(self.sampler)
@@ -149,40 +152,56 @@ class EpochLoader:
     def indices(self) -> list[int]:
         return list(self.sampler)[self.skip * self.batch:]
 
-    def _dataloader(self) -> DataLoader:
-        if self._loader is not None:  # persistent workers: one DataLoader, re-iterated
-            return self._loader
+    def _generator(self) -> torch.Generator:
         # Its own generator: a DataLoader otherwise draws worker seeds from the global RNG at
         # every iter(), which a resumed run would do at a different moment (breaking exactness).
-        gen = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        loader = DataLoader(self.dataset, batch_size=self.batch, drop_last=self.drop_last,
-                            sampler=_CurrentEpoch(self) if self.persistent else self.indices(),
-                            generator=gen, **self.loader_kw)
-        if self.persistent:
-            self._loader = loader
-        return loader
+        return torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+
+    def _batches(self) -> Iterator:
+        """This epoch's collated CPU batches, from `skip` on."""
+        if not self.persistent:
+            yield from DataLoader(self.dataset, batch_size=self.batch, drop_last=self.drop_last,
+                                  sampler=self.indices(), generator=self._generator(),
+                                  **self.loader_kw)
+            return
+        if self._stream_at != (self.epoch, self.skip):  # first epoch, a resume, or a jump
+            self.close()
+            sampler = _Epochs(self.sampler, self.batch, self.drop_last, self.epoch, self.skip)
+            self._stream = iter(DataLoader(self.dataset, batch_sampler=sampler,
+                                           generator=self._generator(), **self.loader_kw))
+        for b in range(self.skip, len(self)):
+            self._stream_at = None  # a batch taken but not handed on: the position is lost
+            batch = next(self._stream)
+            self._stream_at = (self.epoch, b + 1) if b + 1 < len(self) else (self.epoch + 1, 0)
+            yield batch
 
     def __iter__(self):
         ahead = prefetch_in_thread if self.stage_thread else prefetch
-        yield from ahead(self._dataloader(), self.stage, self.device)
+        yield from ahead(self._batches(), self.stage, self.device)
 
     def close(self) -> None:
-        """Stop persistent workers now: the DataLoader's iterator, dropped here, shuts them down
-        the orderly way (done event, then a stop message to each). Left to interpreter exit,
-        torch 2.11 with pinned memory joins each one for 5 s before killing it (pytorch#81794):
-        minutes with many workers (benchmarks/RESULTS.md)."""
-        self._loader = None
+        """Stop the workers now: dropping the DataLoader's iterator shuts them down the orderly
+        way (done event, then a stop message to each). Left to interpreter exit, torch 2.11 with
+        pinned memory joins each one for 5 s before killing it (pytorch#81794): minutes with
+        many workers (benchmarks/RESULTS.md)."""
+        self._stream, self._stream_at = None, None
 
 
-class _CurrentEpoch:
-    """A sampler that reads the loader's current epoch and skip at every iter(): what lets one
-    DataLoader with persistent workers serve every epoch (and a mid-epoch resume)."""
+class _Epochs:
+    """A batch sampler that runs on from epoch to epoch (each shuffled by its own number, as
+    DistributedSampler does): the persistent loaders' one stream of batches."""
 
-    def __init__(self, owner: EpochLoader) -> None:
-        self.owner = owner
+    def __init__(self, sampler: DistributedSampler, batch: int, drop_last: bool, epoch: int,
+                 skip: int) -> None:
+        self.sampler, self.batch, self.drop_last = copy.copy(sampler), batch, drop_last
+        self.start = epoch, skip
 
     def __iter__(self):
-        return iter(self.owner.indices())
-
-    def __len__(self) -> int:
-        return len(self.owner.indices())
+        epoch, skip = self.start
+        while True:
+            self.sampler.set_epoch(epoch)
+            order = list(self.sampler)
+            stop = len(order) - len(order) % self.batch if self.drop_last else len(order)
+            for i in range(skip * self.batch, stop, self.batch):
+                yield order[i:i + self.batch]
+            epoch, skip = epoch + 1, 0

@@ -1,0 +1,134 @@
+"""Where a training step's GPU time goes: train.py's own parts (build.build) and step
+(loop.train_step) under torch.profiler, kernels grouped by what they do.
+
+    python3 benchmarks/profile_step.py                           # experiment=fast (ResNet-50, amp, compiled)
+    python3 benchmarks/profile_step.py model.compile=false        # the eager step
+    python3 benchmarks/profile_step.py +model.compile_options.coordinate_descent_tuning=true
+
+Prints the step's rate (timed without the profiler), then a table: GPU time per step by kernel
+group (convolution, GEMM, BatchNorm, elementwise/fused, optimizer, GradScaler, copies, other)
+and the idle time (step wall time minus the time some kernel ran). Writes the table as JSON
+(--out) and, with --trace, the Chrome trace.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+GROUPS = [  # first match wins; names as cuDNN, cuBLAS, inductor (triton_*) and torch give them
+    ("inductor reductions (BatchNorm statistics and their backward)", r"^triton_(red|per)_"),
+    ("inductor max-pool (its backward recomputes the forward)", r"^triton_.*max_pool2d"),
+    ("inductor pointwise (BatchNorm apply, ReLU, add, max-pool, casts)", r"^triton_poi_"),
+    ("convolution (cuDNN)", r"conv|xmma|implicit_gemm|cudnn|dgrad|wgrad|fprop"),
+    ("cuBLAS GEMM (1x1 convolutions run as GEMMs, the classifier)", r"gemm|nvjet|cublas|cutlass"),
+    ("optimizer (fused SGD)", r"multi_tensor|fused_sgd|sgd"),
+    ("GradScaler", r"amp_|non_finite|unscale|update_scale"),
+    ("copies / memset", r"memcpy|memset|copy"),
+]
+
+
+def group_of(name: str) -> str:
+    low = name.lower()
+    for group, pattern in GROUPS:
+        if re.search(pattern, low):
+            return group
+    return "other"
+
+
+def busy_union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -1.0
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("overrides", nargs="*", help="train.py overrides on top of --base")
+    ap.add_argument("--base", default="experiment=fast")
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=50, help="timed steps (without the profiler)")
+    ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--trace", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "profile_step.json")
+    a = ap.parse_args()
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    from torch.profiler import ProfilerActivity, profile
+
+    from mixprec import build, distributed, loop
+    from mixprec.config import compose_config, validate
+    c = validate(compose_config([a.base, "logger=none", *a.overrides]))
+    hw = build.resolve_hardware(c)
+    parts = build.build(c, hw, distributed.init(hw.device))
+    learner, batch = parts.learner, parts.layout.batch
+    parts.data.train.set_epoch(0)
+    batches = iter(parts.data.train)
+
+    cuda = parts.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            loop.train_step(learner, [next(batches)])
+
+    t0 = time.perf_counter()
+    steps(a.warmup)
+    sync()
+    warm_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    steps(a.steps)
+    sync()
+    step_ms = 1e3 * (time.perf_counter() - t0) / a.steps
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        t0 = time.perf_counter()
+        steps(a.profile_steps)
+        sync()
+        prof_ms = 1e3 * (time.perf_counter() - t0) / a.profile_steps
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_group: dict[str, float] = {}
+    for e in kernels:
+        g = group_of(e.name)
+        per_group[g] = per_group.get(g, 0.0) + e.device_time / 1e3 / a.profile_steps
+    busy = busy_union([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3
+    busy /= a.profile_steps
+    top = sorted(((sum(k.device_time for k in kernels if k.name == n) / 1e3 / a.profile_steps, n)
+                  for n in {k.name for k in kernels}), reverse=True)[:15]
+    result = {"config": [a.base, *a.overrides], "gpu": torch.cuda.get_device_name() if cuda else "CPU",
+              "torch": torch.__version__, "batch": batch, "warmup_s": round(warm_s, 1),
+              "step_ms": round(step_ms, 2), "images_per_s": round(batch / step_ms * 1e3),
+              "profiled_step_ms": round(prof_ms, 2),
+              "kernel_ms_per_step": {g: round(v, 2) for g, v in
+                                     sorted(per_group.items(), key=lambda kv: -kv[1])},
+              "kernels_per_step": round(len(kernels) / a.profile_steps),
+              "gpu_busy_ms_per_step": round(busy, 2),
+              "idle_ms_per_step": round(prof_ms - busy, 2),
+              "top_kernels_ms": [[round(t, 3), n[:120]] for t, n in top]}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=2))
+    if a.trace:
+        prof.export_chrome_trace(str(a.trace))
+    print(json.dumps(result, indent=2))
+    print(f"\n{result['gpu']}: {' '.join(result['config'])}, batch {batch}: "
+          f"{result['images_per_s']:,} img/s, {step_ms:.1f} ms/step")
+    print("| kernels | ms per step | share of the step |\n|---|---|---|")
+    for g, v in result["kernel_ms_per_step"].items():
+        print(f"| {g} | {v:.2f} | {v / prof_ms:.1%} |")
+    print(f"| GPU idle (no kernel running) | {prof_ms - busy:.2f} | {(prof_ms - busy) / prof_ms:.1%} |")
+    parts.data.close()
+
+
+if __name__ == "__main__":
+    main()
