@@ -8,6 +8,8 @@ rate on synthetic data, measured in one run on generated ImageNet-sized JPEGs.
 Rows (--rows, comma-separated groups):
 - core:   the CPU decode ceiling: images/s on one core of what a worker does per image
           (decode + RandomResizedCrop + flip), for the original JPEGs and the prepared copy;
+- handoff: the loader's ceiling with nothing to decode (workers hand over ready uint8 crops):
+          shared memory, pinning, the copy to the GPU and the normalisation alone;
 - loader: the training loader alone, 150 batches across epochs, images/s delivered on the GPU as
           normalised float batches, per path (original or prepared copy; decode in workers or
           on the GPU with nvJPEG);
@@ -125,6 +127,43 @@ def loader_rate(root: Path, decode: str, batch: int, workers: int, batches: int)
             "median_window": round(statistics.median(windows))}
 
 
+class _Ready:
+    """A dataset whose samples are ready uint8 crops (no file, no decode): what is left of the
+    loader is the hand-off (worker -> shared memory -> pinning -> GPU copy -> normalise)."""
+
+    def __len__(self) -> int:
+        return 100_000
+
+    def __getitem__(self, i):
+        import torch
+        return torch.full((3, 224, 224), i % 251, dtype=torch.uint8), i % 100
+
+
+def handoff_rate(batch: int, workers: int, batches: int, device: str = "cuda") -> dict:
+    """The loader's ceiling without decoding: ready crops through the same EpochLoader."""
+    import torch
+    from mixprec import data
+    from mixprec.data.images import loaders
+    from mixprec.data.imagenet import STATS
+    ctx = data.Context(batch, torch.device(device), 0, channels_last=True,
+                       workers=data.Workers(workers, device == "cuda", True))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    train, val = loaders(_Ready(), _Ready(), ctx, STATS)
+    train.set_epoch(0)
+    it = iter(train)
+    for _ in range(20):
+        next(it)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        x, _ = next(it)
+    x.sum().item()
+    rate = batches * batch / (time.perf_counter() - t0)
+    it.close()
+    train.close()
+    return {"images_per_s": round(rate)}
+
+
 def train_rate(args: list[str], timeout: float) -> dict:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
@@ -158,7 +197,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--short-side", type=int, default=256, help="the prepared copy's")
     ap.add_argument("--epochs", type=int, default=3, help="train.py rows: whole epochs")
-    ap.add_argument("--rows", default="core,loader,eager,fast")
+    ap.add_argument("--rows", default="core,handoff,loader,eager,fast")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per train.py run")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "loader.json")
     a = ap.parse_args()
@@ -190,6 +229,9 @@ def main() -> None:
         if "core" in groups:
             for name, root in paths.items():
                 save({"row": f"one core, {name}", **core_rate(root)})
+        if "handoff" in groups:
+            save({"row": "loader alone, ready uint8 crops (no decode: the hand-off ceiling)",
+                  **handoff_rate(256, a.workers, 150)})
         if "loader" in groups:
             for name, root in paths.items():
                 for decode in ("workers", "device"):
