@@ -171,15 +171,17 @@ def test_device_decode_names_a_file_it_cannot_decode(cfg_factory, tmp_path):
                             "trainer.max_steps=1"))
 
 
-def test_persistent_workers_serve_the_same_batches(tmp_path):
-    """One DataLoader re-iterated with persistent workers gives every epoch (and a mid-epoch
-    resume) the same batches as a fresh DataLoader per epoch."""
+@pytest.mark.parametrize("rank,world", [(0, 1), (1, 2)])
+def test_persistent_workers_serve_the_same_batches(tmp_path, rank, world):
+    """One stream of batches across epochs (persistent workers) gives every epoch (and a
+    mid-epoch resume) the same batches as a fresh DataLoader per epoch, for each DDP rank."""
     import torch
     from torch.utils.data import TensorDataset
     from mixprec.data.loaders import EpochLoader
-    ds = TensorDataset(torch.arange(40).float(), torch.arange(40))
+    ds = TensorDataset(torch.arange(40 * world).float(), torch.arange(40 * world))
     from mixprec.data import Context, Workers
-    ctx = Context(8, torch.device("cpu"), seed=3, workers=Workers(num_workers=2))
+    ctx = Context(8, torch.device("cpu"), seed=3, rank=rank, world=world,
+                  workers=Workers(num_workers=2))
     fresh, kept = EpochLoader(ds, ctx), EpochLoader(ds, ctx, persistent=True)
     streams = []
     for epoch, skip in [(0, 0), (1, 0), (2, 0), (2, 2), (3, 0)]:
