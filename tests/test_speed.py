@@ -195,13 +195,21 @@ def test_the_repeated_blocks_of_timm_models_are_found(name, block, count):
 
 
 def test_blocks_scope_compiles_in_place_and_trains_like_eager(cfg_factory, tmp_path):
-    """model.compile_scope=blocks: the same losses as eager, the checkpoint's keys unchanged
+    """model.compile_scope=blocks: identical blocks compile to one graph, the same losses as
+    eager, the checkpoint's keys unchanged
     (no `_orig_mod.`), and a model without repeated blocks is a config error naming the key."""
-    eager = cfg_factory(*SYNTH)
-    blocks = cfg_factory(*SYNTH, "model.compile=true", "model.compile_scope=blocks",
+    vit = [*SYNTH, "data.shape=[3,32,32]", "model=vit_small", "model.name=vit_tiny_patch16_224",
+           "+model.kwargs.img_size=32", "+model.kwargs.depth=3"]  # 3 blocks: one compiled graph
+    eager = cfg_factory(*vit)
+    blocks = cfg_factory(*vit, "model.compile=true", "model.compile_scope=blocks",
                          f"run_dir={tmp_path / 'blocks'}")
+    from torch._dynamo.utils import counters
     run.run(eager)
+    torch._dynamo.reset()
+    counters.clear()
     assert run.run(blocks)["status"] == "completed"
+    # one graph for training and one for evaluation, shared by the three blocks (not one each)
+    assert counters["stats"]["unique_graphs"] == 2
     assert losses(blocks) == pytest.approx(losses(eager), rel=1e-3)
     keys = [set(torch.load(Path(c.run_dir) / "checkpoints" / "last.pt",
                            weights_only=True)["model"]) for c in (eager, blocks)]
