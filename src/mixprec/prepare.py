@@ -123,8 +123,10 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Recipe]:
     ap.add_argument("--short-side", type=int, default=256,
                     help="shorter side of every image, at most (default 256: data.eval_resize)")
     ap.add_argument("--quality", type=int, default=90, help="JPEG quality 1-95 (default 90)")
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--bad-images", choices=("fail", "skip"), default="fail")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                    help="processes (default: every core)")
+    ap.add_argument("--bad-images", choices=("fail", "skip"), default="fail",
+                    help="an unreadable image stops the copy (fail, exit 4) or is left out (skip)")
     a = ap.parse_args(argv)
     if a.short_side < 8:
         raise ConfigError(f"--short-side={a.short_side}: must be >= 8")
