@@ -42,15 +42,22 @@ EAGER = ["model=resnet50", "precision=amp", "model.channels_last=true", "batch=2
 FAST = ["experiment=fast"]
 
 
+def photo(rng, w: int, h: int, contrast: float = 1.0, grid: tuple[int, int] = (6, 8)):
+    """A photo-like float image (h, w, 3): a bicubic blow-up of a few random pixels (its
+    contrast scaled about mid-grey) with sensor-like noise, which gives photo-like JPEG sizes."""
+    import numpy as np
+    from PIL import Image
+    small = Image.fromarray(rng.integers(0, 255, (*grid, 3), dtype=np.uint8))
+    img = np.asarray(small.resize((w, h), Image.BICUBIC), dtype=np.float32)
+    return 128 + contrast * (img - 128) + rng.normal(0, 8, img.shape)
+
+
 def _jpeg(args) -> int:
     import numpy as np
     from PIL import Image
     path, seed = args
     rng = np.random.default_rng(seed)
-    w, h = SIZES[seed % len(SIZES)]
-    small = Image.fromarray(rng.integers(0, 255, (6, 8, 3), dtype=np.uint8))
-    img = np.asarray(small.resize((w, h), Image.BICUBIC), dtype=np.float32)
-    img += rng.normal(0, 8, img.shape)  # texture: photo-like file sizes
+    img = photo(rng, *SIZES[seed % len(SIZES)])
     Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(path, quality=90)
     return os.path.getsize(path)
 
@@ -70,11 +77,10 @@ def make_jpegs(root: Path, n_train: int, n_val: int, classes: int, workers: int)
 def core_rate(root: Path, n: int = 800) -> dict:
     """One core's images/s of a worker's work (decode + RandomResizedCrop(224) + flip)."""
     import torch
-    from torchvision.transforms import v2
+    from mixprec.data.imagenet import train_transform
     from mixprec.data.images import CheckedImageFolder, read_image
     torch.set_num_threads(1)  # as in a DataLoader worker
-    ds = CheckedImageFolder(root / "train", v2.Compose([
-        v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip()]), False)
+    ds = CheckedImageFolder(root / "train", train_transform(224), False)
     for i in range(50):  # warm: page cache, allocator
         ds[i]
     t0 = time.perf_counter()
@@ -106,8 +112,16 @@ def loader_rate(root: Path, decode: str, batch: int, workers: int, batches: int)
             yield from d.train
             epoch += 1
 
-    it, warmup = epochs(), 20  # the first batches include the workers' start
-    for _ in range(warmup):
+    row = timed(epochs(), batch, batches)
+    d.close()
+    return row
+
+
+def timed(it, batch: int, batches: int) -> dict:
+    """Images/s of `batches` batches from `it` after 20 (the first include the workers' start),
+    overall and the median of 10-batch windows; closes `it`."""
+    import torch
+    for _ in range(20):
         next(it)
     torch.cuda.synchronize()
     t0, n, marks = time.perf_counter(), 0, []
@@ -121,7 +135,6 @@ def loader_rate(root: Path, decode: str, batch: int, workers: int, batches: int)
     x.sum().item()  # the last batch really arrived
     dt = time.perf_counter() - t0
     it.close()
-    d.close()
     windows = [10 * batch / (b - a) for a, b in zip([t0, *marks], marks)]
     return {"images_per_s": round(n * batch / dt),
             "median_window": round(statistics.median(windows))}
@@ -139,29 +152,19 @@ class _Ready:
         return torch.full((3, 224, 224), i % 251, dtype=torch.uint8), i % 100
 
 
-def handoff_rate(batch: int, workers: int, batches: int, device: str = "cuda") -> dict:
+def handoff_rate(batch: int, workers: int, batches: int) -> dict:
     """The loader's ceiling without decoding: ready crops through the same EpochLoader."""
     import torch
     from mixprec import data
     from mixprec.data.images import loaders
     from mixprec.data.imagenet import STATS
-    ctx = data.Context(batch, torch.device(device), 0, channels_last=True,
-                       workers=data.Workers(workers, device == "cuda", True))
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    train, val = loaders(_Ready(), _Ready(), ctx, STATS)
+    ctx = data.Context(batch, torch.device("cuda"), 0, channels_last=True,
+                       workers=data.Workers(workers, True, True))
+    train, _ = loaders(_Ready(), _Ready(), ctx, STATS)
     train.set_epoch(0)
-    it = iter(train)
-    for _ in range(20):
-        next(it)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(batches):
-        x, _ = next(it)
-    x.sum().item()
-    rate = batches * batch / (time.perf_counter() - t0)
-    it.close()
+    row = timed(iter(train), batch, batches)
     train.close()
-    return {"images_per_s": round(rate)}
+    return row
 
 
 def train_rate(args: list[str], timeout: float) -> dict:

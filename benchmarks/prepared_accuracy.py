@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loader import SIZES, train_rate  # noqa: E402
+from loader import SIZES, photo, train_rate  # noqa: E402
 
 
 def _draw(args) -> None:
@@ -32,8 +32,7 @@ def _draw(args) -> None:
     path, digit, seed = args
     rng = np.random.default_rng(seed)
     w, h = SIZES[seed % len(SIZES)]
-    bg = Image.fromarray(rng.integers(0, 255, (5, 6, 3), dtype=np.uint8)).resize((w, h), Image.BICUBIC)
-    img = 128 + 0.4 * (np.asarray(bg, dtype=np.float32) - 128) + rng.normal(0, 8, (h, w, 3))
+    img = photo(rng, w, h, contrast=0.4, grid=(5, 6))
     side = int(min(w, h) * rng.uniform(0.7, 0.95))
     ink = Image.fromarray((digit * 255 / 16).astype(np.uint8)).resize((side, side), Image.BICUBIC)
     alpha = np.asarray(ink, dtype=np.float32)[..., None] / 255

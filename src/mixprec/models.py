@@ -136,7 +136,8 @@ def build(mcfg: ModelConfig, num_classes: int, input_shape: tuple[int, int, int]
                                     dict(mcfg.compile_options))
             what = f"{len(blocks)} repeated blocks ({type(blocks[0]).__name__}) one by one"
         else:
-            model, what = compile_model(model, mcfg.compile_mode, dict(mcfg.compile_options)), "the model"
+            model = compile_model(model, mcfg.compile_mode, dict(mcfg.compile_options))
+            what = "the model"
         log.info("model.compile: torch.compile(mode=%s, options=%s) wraps %s in %.1fs; the first "
                  "steps compile (excluded from samples_per_s by trainer.perf_warmup_steps)",
                  mcfg.compile_mode, dict(mcfg.compile_options), what, time.perf_counter() - t0)

@@ -24,13 +24,13 @@ from multiprocessing import Pool
 from pathlib import Path
 
 from PIL import Image
+from torchvision.datasets.folder import IMG_EXTENSIONS
 from tqdm import tqdm
 
 from .data.images import classes
 from .errors import ConfigError, DataError, MixprecError
 
 log = logging.getLogger("mixprec.prepare")
-EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def plan(src: Path, tmp: Path) -> list[tuple[Path, Path]]:
         for name in classes(src / split):
             (tmp / split / name).mkdir(parents=True)
             for f in sorted((src / split / name).iterdir()):
-                if f.suffix.lower() in EXTENSIONS:
+                if f.suffix.lower() in IMG_EXTENSIONS:  # what ImageFolder reads
                     out = f.name if f.suffix.lower() in (".jpg", ".jpeg") else f.name + ".jpg"
                     pairs.append((f, tmp / split / name / out))
     return pairs

@@ -41,6 +41,11 @@ class Config:
         one_of("data.decode", self.decode, ("workers", "device"))
 
 
+def train_transform(size: int) -> v2.Compose:
+    """What a worker does to each training image after decoding (uint8 tensors)."""
+    return v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()])
+
+
 def spec(cfg: Config) -> tuple[int, tuple[int, ...]]:
     return len(classes(Path(cfg.root) / "train")), (3, cfg.image_size, cfg.image_size)
 
@@ -57,8 +62,7 @@ def build(cfg: Config, ctx: Context) -> Data:
         stage = DeviceDecode(cfg.image_size, Normalize(*STATS, ctx.device, ctx.fmt))
         collate = collate_jpegs
     else:  # on uint8 tensors: torch's antialiased bilinear resize, made to match PIL's
-        train_ds = CheckedImageFolder(root / "train", v2.Compose([
-            v2.RandomResizedCrop(cfg.image_size, antialias=True), v2.RandomHorizontalFlip()]), skip)
+        train_ds = CheckedImageFolder(root / "train", train_transform(cfg.image_size), skip)
         val_ds = CheckedImageFolder(root / "val", v2.Compose([
             v2.Resize(cfg.eval_resize, antialias=True), v2.CenterCrop(cfg.image_size)]), skip)
         stage, collate = None, collate_skipping if skip else None
