@@ -1,7 +1,7 @@
 """Can the input pipeline keep up with the GPU? Every data path of `data=imagenet` next to the GPU's
 rate on synthetic data, measured in one run on generated ImageNet-sized JPEGs.
 
-    python3 benchmarks/loader.py                          # every row (about 9 min on one H200)
+    python3 benchmarks/loader.py                          # every row (about 15 min on one H200)
     python3 benchmarks/loader.py --rows core,loader       # the CPU ceiling and the loader alone
     python3 benchmarks/loader.py --rows eager --images 20000
 
@@ -9,10 +9,14 @@ Rows (--rows, comma-separated groups):
 - core:   the CPU decode ceiling: images/s on one core of what a worker does per image
           (decode + RandomResizedCrop + flip), for the original JPEGs and the prepared copy;
 - handoff: the loader's ceiling with nothing to decode (workers hand over ready uint8 crops):
-          shared memory, pinning, the copy to the GPU and the normalisation alone;
+          shared memory, pinning, the copy to the GPU and the normalisation alone (the busiest
+          thread of the training process near 1.0 core: the serial part);
 - loader: the training loader alone, 150 batches across epochs, images/s delivered on the GPU as
           normalised float batches, per path (original or prepared copy; decode in workers or
-          on the GPU with nvJPEG);
+          on the GPU with nvJPEG); `loader-original` or `loader-prepared` for one path only,
+          `loader-workers` for the prepared copy with 4 and 2 fewer workers than --workers;
+          each loader row also says where the CPU went (cores busy, the workers' cores, the
+          busiest threads of the training process);
 - eager:  train.py, ResNet-50 amp channels_last batch 256: synthetic data, the original JPEGs,
           the prepared copy (decoded by the workers, and by nvJPEG);
 - fast:   train.py experiment=fast (compiled, batch 512): synthetic, the prepared copy (and the
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -117,13 +122,57 @@ def loader_rate(root: Path, decode: str, batch: int, workers: int, batches: int)
     return row
 
 
+def cpu_ticks() -> dict:
+    """CPU ticks so far: busy and idle over the cores this process may use, each thread of this
+    process, and this process's children (the loader workers)."""
+    cores, busy, idle = os.sched_getaffinity(0), 0, 0
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *v = line.split()
+        if name[3:].isdigit() and int(name[3:]) in cores:
+            v = [int(x) for x in v]
+            idle += v[3] + v[4]
+            busy += sum(v[:8]) - v[3] - v[4]
+
+    def used(stat: str) -> int:  # utime + stime, after the "(comm)" field
+        f = stat[stat.rindex(")") + 2:].split()
+        return int(f[11]) + int(f[12])
+
+    threads, children = {}, 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            threads[t] = used(Path(f"/proc/self/task/{t}/stat").read_text())
+        except OSError:
+            pass
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (proc / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2:].split()[1]) == os.getpid():
+            children += used(stat)
+    return {"busy": busy, "idle": idle, "threads": threads, "children": children}
+
+
+def cpu_use(a: dict, b: dict, seconds: float) -> dict:
+    """Where the CPU went between two cpu_ticks(): the share of the allowed cores that were busy,
+    the workers' use in cores, and the busiest threads of this process in cores (a thread near
+    1.0 is a serial ceiling: the DataLoader's pinning thread, the training loop)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    top = sorted((b["threads"][t] - a["threads"].get(t, 0) for t in b["threads"]), reverse=True)
+    return {"cores_busy": round((b["busy"] - a["busy"]) / max(1, b["busy"] - a["busy"] + b["idle"]
+                                                                - a["idle"]), 2),
+            "workers_cores": round((b["children"] - a["children"]) / hz / seconds, 1),
+            "main_threads_cores": [round(x / hz / seconds, 2) for x in top[:3]]}
+
+
 def timed(it, batch: int, batches: int) -> dict:
     """Images/s of `batches` batches from `it` after 20 (the first include the workers' start),
-    overall and the median of 10-batch windows; closes `it`."""
+    overall and the median of 10-batch windows, and where the CPU went; closes `it`."""
     import torch
     for _ in range(20):
         next(it)
     torch.cuda.synchronize()
+    ticks = cpu_ticks()
     t0, n, marks = time.perf_counter(), 0, []
     for x, _ in it:
         n += 1
@@ -134,10 +183,11 @@ def timed(it, batch: int, batches: int) -> dict:
             break
     x.sum().item()  # the last batch really arrived
     dt = time.perf_counter() - t0
+    cpu = cpu_use(ticks, cpu_ticks(), dt)
     it.close()
     windows = [10 * batch / (b - a) for a, b in zip([t0, *marks], marks)]
     return {"images_per_s": round(n * batch / dt),
-            "median_window": round(statistics.median(windows))}
+            "median_window": round(statistics.median(windows)), **cpu}
 
 
 class _Ready:
@@ -178,14 +228,17 @@ def train_rate(args: list[str], timeout: float) -> dict:
             log = (Path(d) / "train.log").read_text() if (Path(d) / "train.log").exists() else ""
             return {"error": f"timed out after {timeout:.0f}s", "log_tail": log[-2500:]}
         if p.returncode:
-            return {"error": f"exit {p.returncode}", "stdout": p.stdout[-1500:],
-                    "stderr": p.stderr[-1500:]}
+            why = [ln for ln in p.stderr.splitlines() if "Error" in ln or "Exception" in ln]
+            return {"error": f"exit {p.returncode}", "error_line": why[-1][:500] if why else None,
+                    "stdout": p.stdout[-1500:], "stderr": p.stderr[-1500:]}
         s = json.loads((Path(d) / "summary.json").read_text())
         rows = [json.loads(r) for r in (Path(d) / "metrics.jsonl").read_text().splitlines()]
     warm = next((int(a.split("=")[1]) for a in args if "perf_warmup_steps" in a), 5)
     windows = [r["perf/samples_per_s"] for r in rows
                if r.get("perf/samples_per_s") and r["step"] > warm]
+    first = re.search(r"first step took ([0-9.]+)s", p.stdout + p.stderr)
     return {"samples_per_s": round(s["samples_per_s"]),
+            "first_step_s": float(first.group(1)) if first else None,
             "median_window": round(statistics.median(windows)) if windows else None,
             "steps": s["steps"], "val_acc1": s.get("val_acc1"), "peak_mem_gib": s["peak_mem_gib"],
             "wall_s": round(time.perf_counter() - t0, 1)}
@@ -201,7 +254,8 @@ def main() -> None:
     ap.add_argument("--short-side", type=int, default=256, help="the prepared copy's")
     ap.add_argument("--epochs", type=int, default=3, help="train.py rows: whole epochs")
     ap.add_argument("--rows", default="core,handoff,loader,eager,fast")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds per train.py run")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per train.py run "
+                    "(experiment=fast's first compile and kernel tuning take 3-5 min)")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "loader.json")
     a = ap.parse_args()
     import torch
@@ -235,11 +289,15 @@ def main() -> None:
         if "handoff" in groups:
             save({"row": "loader alone, ready uint8 crops (no decode: the hand-off ceiling)",
                   **handoff_rate(256, a.workers, 150)})
-        if "loader" in groups:
-            for name, root in paths.items():
+        for name, root in paths.items():
+            if "loader" in groups or f"loader-{name.split()[0]}" in groups:
                 for decode in ("workers", "device"):
                     save({"row": f"loader alone, {name}, decode={decode}",
                           **loader_rate(root, decode, 256, a.workers, 150)})
+        if "loader-workers" in groups:  # fewer workers than cores: room for the main process
+            for w in (a.workers - 4, a.workers - 2):
+                save({"row": f"loader alone, prepared {a.short_side}, decode=workers, {w} workers",
+                      **loader_rate(small, "workers", 256, w, 150)})
         per_epoch = {"eager": a.images // 256, "fast": a.images // 512}
         prepared = f"prepared {a.short_side}"
         runs = {"eager": [("original", "workers"), (prepared, "workers"), (prepared, "device")],
