@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install train test test-gpu bench bench-headline bench-cpu bench-memory bench-loader bench-profile bench-prepared bench-scaling clean
+.PHONY: install train test test-gpu bench bench-headline bench-cpu bench-memory bench-loader bench-profile bench-fast bench-prepared bench-scaling clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml
@@ -39,6 +39,9 @@ bench-loader: $(STAMP)   ## every data path (original / prepared copy, workers /
 
 bench-profile: $(STAMP)  ## where experiment=fast's step goes (kernels by kind, GPU idle)
 	$(BIN)/python benchmarks/profile_step.py
+
+bench-fast: $(STAMP)     ## experiment=fast next to variants of it (no kernel tuning, batch 768)
+	$(BIN)/python benchmarks/fast_variants.py
 
 bench-prepared: $(STAMP) ## accuracy on the original JPEGs vs the prepared copy (generated digit photos)
 	$(BIN)/python benchmarks/prepared_accuracy.py

@@ -48,8 +48,32 @@ def test_compile_options_sit_on_top_of_the_mode_and_bad_keys_are_named(cfg_facto
     assert seen == {"options": {"triton.cudagraphs": True, "conv_1x1_as_mm": True}}
     with pytest.raises(ConfigError, match="model.compile_options: Unexpected .*no_such_option"):
         models.compile_model(torch.nn.Linear(2, 2), None, {"no_such_option": True})
-    with pytest.raises(ConfigError, match="model.compile_options.*unless model.compile=true"):
-        validate(cfg_factory("+model.compile_options.conv_1x1_as_mm=true"))
+
+
+def test_the_fast_preset_tunes_its_kernels_and_the_tuning_can_be_switched_off(cfg_factory):
+    """experiment=fast asks inductor for coordinate-descent tuning on top of reduce-overhead's CUDA
+    graphs, with option keys this torch accepts (a renamed key would stop the preset only on the
+    GPU, minutes into compiling); the documented off switch composes and turns it off."""
+    c = validate(cfg_factory("experiment=fast"))
+    options = models.compile_kwargs(c.model.compile_mode, dict(c.model.compile_options))["options"]
+    assert options["coordinate_descent_tuning"] is True and options["triton.cudagraphs"] is True
+    models.compile_model(torch.nn.Linear(2, 2), c.model.compile_mode,
+                         dict(c.model.compile_options))  # an unknown key raises ConfigError
+    off = validate(cfg_factory("experiment=fast",
+                               "model.compile_options.coordinate_descent_tuning=false"))
+    assert models.compile_kwargs(off.model.compile_mode, dict(off.model.compile_options))[
+        "options"]["coordinate_descent_tuning"] is False
+
+
+def test_compile_options_are_unused_not_an_error_without_compile(cfg_factory, caplog):
+    """`experiment=fast model.compile=false` (the preset's eager baseline) must run although the
+    preset sets inductor options: they are unused, and the log says so; nothing is compiled."""
+    c = validate(cfg_factory("model=digits_mlp", "+model.kwargs.width=16",
+                             "+model.compile_options.conv_1x1_as_mm=true"))
+    with caplog.at_level("INFO", logger="mixprec.models"):
+        model = models.build(c.model, 10, (1, 8, 8), torch.device("cpu"))
+    assert not hasattr(model, "_orig_mod")  # not an OptimizedModule
+    assert "model.compile=false: model.compile_options {'conv_1x1_as_mm': True} unused" in caplog.text
 
 
 def test_counting_flops_does_not_compile_the_model_for_another_shape():

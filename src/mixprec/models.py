@@ -46,8 +46,6 @@ class ModelConfig:
               f"{self.compile_mode} (CUDA graphs of one region would overwrite the outputs the "
               "next region reads); for blocks use compile_mode null/default or "
               "max-autotune-no-cudagraphs")
-        check(self.compile or not self.compile_options, "model.compile_options",
-              dict(self.compile_options), "{} unless model.compile=true")
         check(not (self.cuda_graphs and (self.compile or self.grad_checkpointing)),
               "model.cuda_graphs", self.cuda_graphs, "false with model.compile or "
               "model.grad_checkpointing (compile_mode=reduce-overhead graphs a compiled model)")
@@ -141,6 +139,9 @@ def build(mcfg: ModelConfig, num_classes: int, input_shape: tuple[int, int, int]
         log.info("model.compile: torch.compile(mode=%s, options=%s) wraps %s in %.1fs; the first "
                  "steps compile (excluded from samples_per_s by trainer.perf_warmup_steps)",
                  mcfg.compile_mode, dict(mcfg.compile_options), what, time.perf_counter() - t0)
+    elif mcfg.compile_options:  # e.g. experiment=fast model.compile=false: the eager baseline
+        log.info("model.compile=false: model.compile_options %s unused",
+                 dict(mcfg.compile_options))
     return model
 
 
