@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 GROUPS = [  # first match wins; names as cuDNN, cuBLAS, inductor (triton_*) and torch give them
     ("inductor reductions (BatchNorm statistics and their backward)", r"^triton_(red|per)_"),
-    ("inductor max-pool (its backward recomputes the forward)", r"^triton_.*max_pool2d"),
+    ("inductor max-pool (forward, and its backward from saved offsets)", r"^triton_.*max_pool2d"),
     ("inductor pointwise (BatchNorm apply, ReLU, add, max-pool, casts)", r"^triton_poi_"),
     ("convolution (cuDNN)", r"conv|xmma|implicit_gemm|cudnn|dgrad|wgrad|fprop"),
     ("cuBLAS GEMM (1x1 convolutions run as GEMMs, the classifier)", r"gemm|nvjet|cublas|cutlass"),
