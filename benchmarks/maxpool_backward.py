@@ -1,0 +1,79 @@
+"""Is inductor's max-pool backward the slow part of experiment=fast's stem? Times MaxPool2d(3, 2, 1)
+forward + backward on the stem's activation (ResNet-50 at 224², batch 512: 512×64×112×112 fp16,
+channels_last), eager (aten's CUDA kernels) next to torch.compile (inductor, with and without
+coordinate-descent tuning), and the bandwidth floor of the bytes the backward must move.
+
+    python3 benchmarks/maxpool_backward.py                 # on a GPU (about 2 min, most of it compiling)
+    python3 benchmarks/maxpool_backward.py --batch 4 --device cpu --iters 3   # a smoke run
+
+Why: the profile of the tuned preset (benchmarks/RESULTS.md, session 8) has one 3.1 ms kernel,
+`triton_poi_fused_add_max_pool2d_with_indices_max_pool2d_with_indices_backward`, whose bytes need
+about 0.3 ms; benchmarks/maxpool_partition.py shows it reads saved offsets (no recompute).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def pool(x):
+    return F.max_pool2d(x, 3, 2, 1)
+
+
+def step(fn, x, g):
+    """Forward and backward of fn at x with incoming gradient g; returns x's gradient."""
+    x.grad = None
+    fn(x).backward(g)
+    return x.grad
+
+
+def timed(fn, x, g, iters: int) -> float:
+    """Milliseconds per forward + backward, after 3 warm-up calls (the compiles)."""
+    for _ in range(3):
+        step(fn, x, g)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step(fn, x, g)
+    sync()
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--bandwidth-tbs", type=float, default=4.8, help="for the floor (H200: 4.8)")
+    a = ap.parse_args()
+    dtype = torch.float16 if a.device == "cuda" else torch.float32
+    x = torch.randn(a.batch, 64, 112, 112, device=a.device, dtype=dtype)
+    x = x.contiguous(memory_format=torch.channels_last).requires_grad_()
+    g = torch.randn_like(pool(x.detach()))
+    want = step(pool, x, g).clone()
+    fns = {"eager (aten)": pool,
+           "compiled (inductor)": torch.compile(pool),
+           "compiled, coordinate-descent tuned": torch.compile(
+               pool, options={"coordinate_descent_tuning": True})}
+    rows = {}
+    for name, fn in fns.items():
+        torch._dynamo.reset()
+        got = step(fn, x, g)  # ties in a window (fp16) may route a gradient to another element
+        assert (got != want).float().mean() < 0.01, f"{name}: a different gradient"
+        rows[name] = round(timed(fn, x, g, a.iters), 3)
+    # the backward reads the incoming gradient and the saved offsets (int8) or indices (int64)
+    # once, and writes x's gradient: the floor with int8 offsets
+    moved = g.numel() * g.element_size() + g.numel() + x.numel() * x.element_size()
+    rows["bandwidth floor of the backward"] = round(moved / (a.bandwidth_tbs * 1e12) * 1e3, 3)
+    print(json.dumps({"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
+                      "torch": torch.__version__, "shape": list(x.shape), "dtype": str(dtype),
+                      "ms_forward_and_backward": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
