@@ -158,9 +158,9 @@ def cpu_use(a: dict, b: dict, seconds: float) -> dict:
     the workers' use in cores, and the busiest threads of this process in cores (a thread near
     1.0 is a serial ceiling: the DataLoader's pinning thread, the training loop)."""
     hz = os.sysconf("SC_CLK_TCK")
+    busy, idle = b["busy"] - a["busy"], b["idle"] - a["idle"]
     top = sorted((b["threads"][t] - a["threads"].get(t, 0) for t in b["threads"]), reverse=True)
-    return {"cores_busy": round((b["busy"] - a["busy"]) / max(1, b["busy"] - a["busy"] + b["idle"]
-                                                                - a["idle"]), 2),
+    return {"cores_busy": round(busy / max(1, busy + idle), 2),
             "workers_cores": round((b["children"] - a["children"]) / hz / seconds, 1),
             "main_threads_cores": [round(x / hz / seconds, 2) for x in top[:3]]}
 
@@ -282,7 +282,8 @@ def main() -> None:
         meta["prepared"] = {k: rec[k] for k in ("short_side", "quality", "images", "seconds")}
         meta["prepared"]["mean_kb"] = round(rec["bytes"] / rec["images"] / 1024, 1)
         print(meta, flush=True)
-        paths = {"original": raw, f"prepared {a.short_side}": small}
+        prepared = f"prepared {a.short_side}"
+        paths = {"original": raw, prepared: small}
         if "core" in groups:
             for name, root in paths.items():
                 save({"row": f"one core, {name}", **core_rate(root)})
@@ -296,10 +297,9 @@ def main() -> None:
                           **loader_rate(root, decode, 256, a.workers, 150)})
         if "loader-workers" in groups:  # fewer workers than cores: room for the main process
             for w in (a.workers - 4, a.workers - 2):
-                save({"row": f"loader alone, prepared {a.short_side}, decode=workers, {w} workers",
+                save({"row": f"loader alone, {prepared}, decode=workers, {w} workers",
                       **loader_rate(small, "workers", 256, w, 150)})
         per_epoch = {"eager": a.images // 256, "fast": a.images // 512}
-        prepared = f"prepared {a.short_side}"
         runs = {"eager": [("original", "workers"), (prepared, "workers"), (prepared, "device")],
                 "fast": [(prepared, "workers"), *([("original", "workers")]
                                                   if "fast-original" in groups else [])]}
