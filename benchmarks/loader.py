@@ -4,6 +4,7 @@ rate on synthetic data, measured in one run on generated ImageNet-sized JPEGs.
     python3 benchmarks/loader.py                          # every row (about 15 min on one H200)
     python3 benchmarks/loader.py --rows core,loader       # the CPU ceiling and the loader alone
     python3 benchmarks/loader.py --rows eager --images 20000
+    python3 benchmarks/loader.py --rows fast --overrides model.triton_max_pool=true
 
 Rows (--rows, comma-separated groups):
 - core:   the CPU decode ceiling: images/s on one core of what a worker does per image
@@ -256,6 +257,8 @@ def main() -> None:
     ap.add_argument("--rows", default="core,handoff,loader,eager,fast")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per train.py run "
                     "(experiment=fast's first compile and kernel tuning take 3-5 min)")
+    ap.add_argument("--overrides", nargs="*", default=[], help="train.py overrides added to every "
+                    "train.py row, e.g. model.triton_max_pool=true")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "loader.json")
     a = ap.parse_args()
     import torch
@@ -307,7 +310,7 @@ def main() -> None:
             if group not in groups:
                 continue
             common = [*base, f"trainer.epochs={a.epochs}", "trainer.max_steps=null",
-                      "trainer.min_steps=0", "trainer.perf_warmup_steps=30"]
+                      "trainer.min_steps=0", "trainer.perf_warmup_steps=30", *a.overrides]
             synth = train_rate([*common, "data=synthetic", f"data.num_classes={a.classes}",
                                 f"data.steps_per_epoch={per_epoch[group]}"], a.timeout)
             save({"row": f"{group}: train.py, synthetic data", **synth})

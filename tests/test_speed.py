@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,96 @@ def test_compile_options_are_unused_not_an_error_without_compile(cfg_factory, ca
         model = models.build(c.model, 10, (1, 8, 8), torch.device("cpu"))
     assert not hasattr(model, "_orig_mod")  # not an OptimizedModule
     assert "model.compile=false: model.compile_options {'conv_1x1_as_mm': True} unused" in caplog.text
+
+
+POOLS = [((3, 2, 1), {}), ((2,), {}), ((3, 2), {"ceil_mode": True}), ((3, 1, 1), {}),
+         ((2, 3, 1), {"ceil_mode": True})]
+
+
+def pool_pair(args, kw, x):
+    """nn.MaxPool2d's and TritonMaxPool2d's outputs and input gradients for one input."""
+    from mixprec.ops import TritonMaxPool2d
+    got = []
+    for pool in (torch.nn.MaxPool2d(*args, **kw), TritonMaxPool2d(*args, **kw)):
+        xi = x.clone().requires_grad_()
+        y = pool(xi)
+        y.backward(torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape) % 7 - 3)
+        got.append((y, xi.grad))
+    return got
+
+
+def test_triton_max_pool_kernels_match_aten_under_the_interpreter(tmp_path):
+    """The Triton kernels themselves, run by Triton's CPU interpreter: the same outputs and
+    gradients as aten for ResNet's stem pool, ceil_mode, overlapping and strided windows, fp32
+    and fp16, with a NaN and ties in the input (the first maximum takes the gradient)."""
+    script = tmp_path / "interp.py"
+    script.write_text(f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_speed import POOLS, pool_pair
+import mixprec.ops as ops
+launched, real = [], ops._launch
+ops._launch = lambda kernel, *a: launched.append(kernel) or real(kernel, *a)
+for args, kw in POOLS:
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(2, 8, 11, 9, generator=torch.Generator().manual_seed(0)).to(dtype)
+        x[0, 0, 0, 0], x[1, 1, 2:5, 2:5] = float("nan"), 1.0
+        x = x.contiguous(memory_format=torch.channels_last)
+        launched.clear()
+        (want, gwant), (got, ggot) = pool_pair(args, kw, x)
+        assert launched == [ops._forward_kernel, ops._backward_kernel]  # not the aten path
+        assert torch.equal(got.nan_to_num(9), want.nan_to_num(9)), (args, kw, dtype)
+        assert got.is_contiguous(memory_format=torch.channels_last)
+        assert ggot.is_contiguous(memory_format=torch.channels_last)
+        tol = 0 if dtype == torch.float32 else 1e-2  # aten's CPU kernel sums fp16 in fp16
+        assert torch.allclose(ggot, gwant, atol=tol, rtol=0), (args, kw, dtype)
+print("ok")
+""")
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, str(script)], env={**os.environ, "TRITON_INTERPRET": "1"},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args,kw", POOLS + [((3, 2), {"dilation": 2})])
+@pytest.mark.parametrize("fmt", [torch.channels_last, torch.contiguous_format])
+def test_triton_max_pool_op_is_nn_max_pool_and_inductor_leaves_it_alone(args, kw, fmt):
+    """The op's aten path (CPU, NCHW, dilation) gives nn.MaxPool2d's output and gradient through
+    its int8 window offsets, eager and compiled; the compiled forward and backward call the op
+    instead of an inductor kernel."""
+    from torch._inductor.utils import run_and_get_code
+    from mixprec.ops import TritonMaxPool2d
+
+    x = torch.randn(2, 8, 15, 13).contiguous(memory_format=fmt)
+    (want, gwant), (got, ggot) = pool_pair(args, kw, x)
+    assert torch.equal(got, want) and torch.equal(ggot, gwant)
+    assert ggot.is_contiguous(memory_format=fmt)
+    pool = torch.compile(TritonMaxPool2d(*args, **kw))
+
+    def step():
+        xi = x.clone().requires_grad_()
+        y = pool(xi)
+        y.backward(torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape) % 7 - 3)
+        return y, xi.grad
+
+    (y, g), code = run_and_get_code(step)
+    assert torch.equal(y, want) and torch.equal(g, gwant)
+    code = "\n".join(code)
+    assert "torch.ops.mixprec.max_pool2d.default" in code
+    assert "torch.ops.mixprec.max_pool2d_backward.default" in code
+
+
+def test_triton_max_pool_switch_swaps_the_pools_and_trains_like_the_default(cfg_factory,
+                                                                           tmp_path, caplog):
+    base = ["model=digits_cnn", "trainer.max_steps=3", "+model.kwargs.width=8"]
+    plain = cfg_factory(*base)
+    ours = cfg_factory(*base, "model.triton_max_pool=true", f"run_dir={tmp_path / 'ours'}")
+    run.run(plain)
+    with caplog.at_level("INFO", logger="mixprec.models"):
+        assert run.run(ours)["status"] == "completed"
+    assert "model.triton_max_pool: 1 nn.MaxPool2d run mixprec::max_pool2d" in caplog.text
+    assert losses(ours) == losses(plain)
 
 
 def test_counting_flops_does_not_compile_the_model_for_another_shape():

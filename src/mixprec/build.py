@@ -183,6 +183,7 @@ def _auto_batch(c: TrainConfig, hw, device: torch.device) -> tuple[int, int]:
            "optimizer": c.optimizer.name, "channels_last": c.model.channels_last,
            "compile": [c.model.compile, c.model.compile_mode, c.model.compile_scope],
            "grad_checkpointing": c.model.grad_checkpointing,
+           **({"triton_max_pool": True} if c.model.triton_max_pool else {}),  # int8 offsets saved
            "gpu": torch.cuda.get_device_name(device), "memory_gib": hw.memory_gib,
            "torch": torch.__version__, "clip": c.trainer.clip_grad_norm is not None,
            "resolution": c.batch_search.resolution}

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from .errors import ConfigError, check, one_of
+from .ops import use_triton_max_pool
 
 log = logging.getLogger(__name__)
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -34,6 +35,7 @@ class ModelConfig:
     compile_options: Dict[str, Any] = MISSING  # inductor options on top of the mode
     compile_scope: str = MISSING  # model: one graph; blocks: each repeated block (compiles faster)
     cuda_graphs: bool = MISSING  # capture forward+backward once, replay it (static shapes, GPU only)
+    triton_max_pool: bool = MISSING  # nn.MaxPool2d through mixprec's Triton kernels (ops.py)
     grad_checkpointing: bool = MISSING  # recompute activations in backward: less memory, more compute
     kwargs: Dict[str, Any] = MISSING  # extra timm.create_model arguments
 
@@ -127,6 +129,9 @@ def build(mcfg: ModelConfig, num_classes: int, input_shape: tuple[int, int, int]
         model.to(memory_format=torch.channels_last)
         log.info("model.channels_last: weights (and every input batch) in NHWC")
     model = prepare(model)
+    if mcfg.triton_max_pool:
+        log.info("model.triton_max_pool: %d nn.MaxPool2d run mixprec::max_pool2d (Triton "
+                 "kernels for channels-last CUDA tensors)", use_triton_max_pool(model))
     if mcfg.compile:
         t0 = time.perf_counter()
         if mcfg.compile_scope == "blocks":

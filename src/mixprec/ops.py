@@ -1,0 +1,240 @@
+"""Max-pooling with our own Triton kernels, as one custom op that torch.compile leaves alone.
+
+Why: in experiment=fast's profile (benchmarks/RESULTS.md) the backward of ResNet's stem max-pool
+(3x3, stride 2, on a channels-last 64x112x112 fp16 activation) is one inductor kernel of 3.1 ms
+per step at batch 512 on an H200, where its bytes need about 0.25 ms. That kernel recomputes a
+long window-index expression for every channel of every pixel; these kernels work on a block
+of pixels times a block of channels, so the index arithmetic is done once per pixel and every
+load and store is a contiguous run of channels. aten's own CUDA kernels are slower still
+(benchmarks/maxpool_backward.py times all of them against the bandwidth floor).
+
+`model.triton_max_pool=true` makes every nn.MaxPool2d a TritonMaxPool2d. The op saves the
+argmax as an int8 offset inside the window (as inductor does), not aten's int64 index.
+Channels-last CUDA inputs without dilation run the Triton kernels; everything else (CPU,
+NCHW, dilation) runs aten's kernels and converts the indices, so results are the same
+everywhere: NaN propagates and ties go to the first maximum, as in aten.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only torch without Triton: the aten path only
+    triton = None
+
+
+def _window(size: int, k: int, s: int, p: int, ceil: bool) -> int:
+    """aten's pooling output size (the last window starts inside the input or left padding)."""
+    out = (size + 2 * p - k + ((s - 1) if ceil else 0)) // s + 1
+    return out - 1 if ceil and (out - 1) * s >= size + p else out
+
+
+def _format(t: torch.Tensor) -> torch.memory_format:
+    """The op's outputs take its input's memory format: channels-last or contiguous."""
+    return torch.channels_last if _is_nhwc(t) else torch.contiguous_format
+
+
+def _out_like(shape, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor of `shape` in ref's memory format."""
+    return torch.empty(shape, dtype=dtype, device=ref.device).contiguous(
+        memory_format=_format(ref))
+
+
+def _is_nhwc(t: torch.Tensor) -> bool:
+    return t.dim() == 4 and t.size(1) > 1 and not t.is_contiguous() and t.is_contiguous(
+        memory_format=torch.channels_last)
+
+
+def _use_triton(t: torch.Tensor, kernel_size, stride, padding, dilation) -> bool:
+    """The kernels take channels-last tensors and square windows without dilation."""
+    square = all(v[0] == v[1] for v in (kernel_size, stride, padding))
+    return (triton is not None and _is_nhwc(t) and square and list(dilation) == [1, 1]
+            and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
+
+
+# ----- the kernels: a block of pixels (rows) times a block of channels (columns), NHWC -----
+if triton is not None:
+    _CONFIGS = [triton.Config({"BLOCK_P": bp}, num_warps=w) for bp, w in
+                ((16, 4), (32, 4), (64, 8), (128, 8))]
+
+    @triton.autotune(configs=_CONFIGS, key=["C", "H", "W"])
+    @triton.jit
+    def _forward_kernel(x_ptr, out_ptr, off_ptr, NPIX, H, W, OH, OW, C, K: tl.constexpr,
+                        S: tl.constexpr, PAD: tl.constexpr, BLOCK_P: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # output pixels n*OH*OW + ...
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        pmask, cmask = p < NPIX, c < C
+        ow, oh, n = p % OW, (p // OW) % OH, p // (OW * OH)
+        best = tl.full([BLOCK_P, BLOCK_C], float("-inf"), tl.float32)
+        arg = tl.zeros([BLOCK_P, BLOCK_C], tl.int32)
+        seen = tl.zeros([BLOCK_P, BLOCK_C], tl.int32)
+        for kh in tl.static_range(K):
+            ih = oh * S - PAD + kh
+            for kw in tl.static_range(K):
+                iw = ow * S - PAD + kw
+                ok = (pmask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))[:, None] & cmask[None, :]
+                row = ((n * H + ih) * W + iw).to(tl.int64) * C
+                v = tl.load(x_ptr + row[:, None] + c[None, :], mask=ok).to(tl.float32)
+                take = ok & ((v > best) | (v != v) | (seen == 0))  # aten: first max, NaN wins
+                best = tl.where(take, v, best)
+                arg = tl.where(take, kh * K + kw, arg)
+                seen = tl.where(ok, 1, seen)
+        at = p.to(tl.int64)[:, None] * C + c[None, :]
+        mask = pmask[:, None] & cmask[None, :]
+        tl.store(out_ptr + at, best.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(off_ptr + at, arg.to(tl.int8), mask=mask)
+
+    @triton.autotune(configs=_CONFIGS, key=["C", "H", "W"])
+    @triton.jit
+    def _backward_kernel(g_ptr, off_ptr, dx_ptr, NPIX, H, W, OH, OW, C, K: tl.constexpr,
+                         S: tl.constexpr, PAD: tl.constexpr, SPAN: tl.constexpr,
+                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        """SPAN = ceil(K / S): the windows along one axis that can hold a pixel."""
+        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # input pixels n*H*W + ...
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        pmask, cmask = p < NPIX, c < C
+        w, h, n = p % W, (p // W) % H, p // (W * H)
+        acc = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
+        for i in tl.static_range(SPAN):
+            oh = (h + PAD) // S - (SPAN - 1 - i)  # ascending, as aten sums them
+            kh = h + PAD - oh * S
+            okh = (oh >= 0) & (oh < OH) & (kh < K)
+            for j in tl.static_range(SPAN):
+                ow = (w + PAD) // S - (SPAN - 1 - j)
+                kw = w + PAD - ow * S
+                ok = pmask & okh & (ow >= 0) & (ow < OW) & (kw < K)
+                at = ((n * OH + oh) * OW + ow).to(tl.int64)[:, None] * C + c[None, :]
+                mask = ok[:, None] & cmask[None, :]
+                hit = mask & (tl.load(off_ptr + at, mask=mask, other=-1) == (kh * K + kw)[:, None])
+                acc += tl.load(g_ptr + at, mask=hit, other=0.0).to(tl.float32)
+        out = p.to(tl.int64)[:, None] * C + c[None, :]
+        tl.store(dx_ptr + out, acc.to(dx_ptr.dtype.element_ty),
+                 mask=pmask[:, None] & cmask[None, :])
+
+
+def _launch(kernel, npix: int, channels: int, *args) -> None:
+    block_c = min(64, triton.next_power_of_2(channels))
+    grid = lambda meta: (triton.cdiv(npix, meta["BLOCK_P"]), triton.cdiv(channels, block_c))  # noqa: E731
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the tests' CPU interpreter: no autotuning
+        kernel.fn[(triton.cdiv(npix, 16), triton.cdiv(channels, block_c))](
+            *args, BLOCK_P=16, BLOCK_C=block_c)
+    else:
+        kernel[grid](*args, BLOCK_C=block_c)
+
+
+# ----- the aten path, converting between aten's flat input index and the window offset -----
+def _corners(n_out: int, s: int, p: int, device) -> torch.Tensor:
+    return torch.arange(n_out, device=device) * s - p
+
+
+def _aten_forward(x, k, s, p, d, ceil):
+    out, index = torch.ops.aten.max_pool2d_with_indices(x, k, s, p, d, ceil)
+    out, index = (t.contiguous(memory_format=_format(x)) for t in (out, index))
+    oh, ow = out.shape[-2:]
+    ih, iw = index // x.size(-1), index % x.size(-1)
+    kh = (ih - _corners(oh, s[0], p[0], x.device)[:, None]) // d[0]
+    kw = (iw - _corners(ow, s[1], p[1], x.device)[None, :]) // d[1]
+    return out, (kh * k[1] + kw).to(torch.int8)
+
+
+def _aten_backward(grad, offsets, x_size, k, s, p, d, ceil):
+    oh, ow = grad.shape[-2:]
+    off = offsets.long()
+    ih = _corners(oh, s[0], p[0], grad.device)[:, None] + off // k[1] * d[0]
+    iw = _corners(ow, s[1], p[1], grad.device)[None, :] + off % k[1] * d[1]
+    like = _out_like(x_size, offsets, grad.dtype)  # aten reads only its shape and layout
+    return torch.ops.aten.max_pool2d_with_indices_backward(
+        grad, like, k, s, p, d, ceil, ih * x_size[-1] + iw).contiguous(
+        memory_format=_format(offsets))
+
+
+# ----- the custom ops -----
+@torch.library.custom_op("mixprec::max_pool2d", mutates_args=())
+def max_pool2d(x: torch.Tensor, kernel_size: list[int], stride: list[int], padding: list[int],
+               dilation: list[int], ceil_mode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pooled output and, per output element, its argmax's offset in the window (int8)."""
+    if not _use_triton(x, kernel_size, stride, padding, dilation):
+        return _aten_forward(x, kernel_size, stride, padding, dilation, ceil_mode)
+    n, c, h, w = x.shape
+    oh = _window(h, kernel_size[0], stride[0], padding[0], ceil_mode)
+    ow = _window(w, kernel_size[1], stride[1], padding[1], ceil_mode)
+    out = _out_like((n, c, oh, ow), x, x.dtype)
+    offsets = torch.empty_like(out, dtype=torch.int8)
+    _launch(_forward_kernel, n * oh * ow, c, x, out, offsets, n * oh * ow, h, w, oh, ow, c,
+            kernel_size[0], stride[0], padding[0])
+    return out, offsets
+
+
+@max_pool2d.register_fake
+def _(x, kernel_size, stride, padding, dilation, ceil_mode):
+    out = _out_like(torch.ops.aten.max_pool2d_with_indices(
+        x, kernel_size, stride, padding, dilation, ceil_mode)[0].shape, x, x.dtype)
+    return out, torch.empty_like(out, dtype=torch.int8)
+
+
+@torch.library.custom_op("mixprec::max_pool2d_backward", mutates_args=())
+def max_pool2d_backward(grad: torch.Tensor, offsets: torch.Tensor, x_size: list[int],
+                        kernel_size: list[int], stride: list[int], padding: list[int],
+                        dilation: list[int], ceil_mode: bool) -> torch.Tensor:
+    """The input's gradient (in the layout of the forward's input, which the offsets keep):
+    each output's gradient goes to its argmax."""
+    if not _use_triton(offsets, kernel_size, stride, padding, dilation):
+        return _aten_backward(grad, offsets, x_size, kernel_size, stride, padding, dilation,
+                              ceil_mode)
+    grad = grad.contiguous(memory_format=torch.channels_last)  # usually already
+    n, c, h, w = x_size
+    dx = _out_like(x_size, offsets, grad.dtype)
+    _launch(_backward_kernel, n * h * w, c, grad, offsets, dx, n * h * w, h, w,
+            grad.size(2), grad.size(3), c, kernel_size[0], stride[0], padding[0],
+            -(-kernel_size[0] // stride[0]))
+    return dx
+
+
+@max_pool2d_backward.register_fake
+def _(grad, offsets, x_size, kernel_size, stride, padding, dilation, ceil_mode):
+    return _out_like(x_size, offsets, grad.dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    x, *ctx.pool_args = inputs
+    ctx.x_size = list(x.shape)
+    ctx.save_for_backward(output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, grad, _grad_offsets):
+    offsets, = ctx.saved_tensors
+    return (max_pool2d_backward(grad, offsets, ctx.x_size, *ctx.pool_args),
+            None, None, None, None, None)
+
+
+max_pool2d.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _pair(v) -> list[int]:
+    return [v, v] if isinstance(v, int) else list(v)
+
+
+class TritonMaxPool2d(nn.MaxPool2d):
+    """nn.MaxPool2d (same arguments, same state) through mixprec::max_pool2d."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stride = self.stride if self.stride is not None else self.kernel_size
+        return max_pool2d(x, _pair(self.kernel_size), _pair(stride), _pair(self.padding),
+                          _pair(self.dilation), self.ceil_mode)[0]
+
+
+def use_triton_max_pool(model: nn.Module) -> int:
+    """Makes every nn.MaxPool2d of `model` (that returns no indices) a TritonMaxPool2d, in place;
+    returns how many it changed."""
+    pools = [m for m in model.modules()
+             if type(m) is nn.MaxPool2d and not m.return_indices]  # noqa: E721 (exact class)
+    for m in pools:
+        m.__class__ = TritonMaxPool2d
+    return len(pools)
