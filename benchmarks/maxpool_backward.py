@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--only", nargs="*", help="the rows whose names start with these")
     ap.add_argument("--code-dir", type=Path, help="write each compiled variant's generated code here")
     ap.add_argument("--bandwidth-tbs", type=float, default=4.8, help="for the floor (H200: 4.8)")
     a = ap.parse_args()
@@ -89,6 +90,8 @@ def main() -> None:
            "compiled around the mixprec Triton kernels": torch.compile(triton_pool)}
     rows, kernels = {}, {}
     for name, fn in fns.items():
+        if a.only and not name.startswith(tuple(a.only)):
+            continue
         torch._dynamo.reset()
         if a.code_dir and name.startswith("compiled"):
             from torch._inductor.utils import run_and_get_code

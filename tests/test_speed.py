@@ -96,7 +96,9 @@ def pool_pair(args, kw, x):
 def test_triton_max_pool_kernels_match_aten_under_the_interpreter(tmp_path):
     """The Triton kernels themselves, run by Triton's CPU interpreter: the same outputs and
     gradients as aten for ResNet's stem pool, ceil_mode, overlapping and strided windows, fp32
-    and fp16, with a NaN and ties in the input (the first maximum takes the gradient)."""
+    and fp16, with a NaN and ties in the input (the first maximum takes the gradient); and no
+    hidden layout copy or zero fill around them (on the GPU such copies cost more than the
+    kernels: benchmarks/RESULTS.md, session 9)."""
     script = tmp_path / "interp.py"
     script.write_text(f"""
 import sys, torch
@@ -118,6 +120,13 @@ for args, kw in POOLS:
         assert ggot.is_contiguous(memory_format=torch.channels_last)
         tol = 0 if dtype == torch.float32 else 1e-2  # aten's CPU kernel sums fp16 in fp16
         assert torch.allclose(ggot, gwant, atol=tol, rtol=0), (args, kw, dtype)
+from torch.profiler import profile  # no layout copy, no zero-filled gradient for the offsets
+x = torch.randn(2, 8, 12, 12).contiguous(memory_format=torch.channels_last).requires_grad_()
+with profile() as prof:
+    y = ops.max_pool2d(x, [3, 3], [2, 2], [1, 1], [1, 1], False)[0]
+    y.backward(torch.randn_like(y))
+ran = {{e.name for e in prof.events()}}
+assert not ran & {{"aten::clone", "aten::contiguous", "aten::zeros", "aten::fill_"}}, ran
 print("ok")
 """)
     import subprocess

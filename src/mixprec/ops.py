@@ -40,9 +40,8 @@ def _format(t: torch.Tensor) -> torch.memory_format:
 
 
 def _out_like(shape, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An empty tensor of `shape` in ref's memory format."""
-    return torch.empty(shape, dtype=dtype, device=ref.device).contiguous(
-        memory_format=_format(ref))
+    """An empty tensor of `shape` in ref's memory format (allocated so: no copy)."""
+    return torch.empty(shape, dtype=dtype, device=ref.device, memory_format=_format(ref))
 
 
 def _is_nhwc(t: torch.Tensor) -> bool:
@@ -206,9 +205,12 @@ def _setup_context(ctx, inputs, output):
     ctx.x_size = list(x.shape)
     ctx.save_for_backward(output[1])
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no zero-filled gradient for the offsets
 
 
 def _backward(ctx, grad, _grad_offsets):
+    if grad is None:  # the output was not used in the loss
+        return None, None, None, None, None, None
     offsets, = ctx.saved_tensors
     return (max_pool2d_backward(grad, offsets, ctx.x_size, *ctx.pool_args),
             None, None, None, None, None)
