@@ -136,8 +136,9 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("args,kw", POOLS + [((3, 2), {"dilation": 2})])
-@pytest.mark.parametrize("fmt", [torch.channels_last, torch.contiguous_format])
+@pytest.mark.parametrize("args,kw,fmt", [
+    *((args, kw, torch.channels_last) for args, kw in POOLS),
+    ((3, 2, 1), {}, torch.contiguous_format), ((3, 2), {"dilation": 2}, torch.channels_last)])
 def test_triton_max_pool_op_is_nn_max_pool_and_inductor_leaves_it_alone(args, kw, fmt):
     """The op's aten path (CPU, NCHW, dilation) gives nn.MaxPool2d's output and gradient through
     its int8 window offsets, eager and compiled; the compiled forward and backward call the op
@@ -162,6 +163,19 @@ def test_triton_max_pool_op_is_nn_max_pool_and_inductor_leaves_it_alone(args, kw
     code = "\n".join(code)
     assert "torch.ops.mixprec.max_pool2d.default" in code
     assert "torch.ops.mixprec.max_pool2d_backward.default" in code
+
+
+def test_triton_max_pool_swap_keeps_windows_its_int8_offsets_cannot_address():
+    from mixprec.ops import TritonMaxPool2d, use_triton_max_pool
+    model = torch.nn.Sequential(torch.nn.MaxPool2d(3, 2, 1), torch.nn.MaxPool2d((11, 11)),
+                                torch.nn.MaxPool2d(12), torch.nn.MaxPool2d(2, return_indices=True))
+    assert use_triton_max_pool(model) == 2
+    assert [type(m) for m in model] == [TritonMaxPool2d, TritonMaxPool2d, torch.nn.MaxPool2d,
+                                        torch.nn.MaxPool2d]
+    x = torch.randn(1, 2, 23, 23, requires_grad=True)
+    (g_ours,) = torch.autograd.grad(model[1](x).sum(), x)  # offsets up to 120
+    (g_aten,) = torch.autograd.grad(torch.nn.functional.max_pool2d(x, 11).sum(), x)
+    assert torch.equal(g_ours, g_aten)
 
 
 def test_triton_max_pool_switch_swaps_the_pools_and_trains_like_the_default(cfg_factory,
