@@ -29,10 +29,11 @@ except ImportError:  # a CPU-only torch without Triton: the aten path only
     triton = None
 
 
-def _window(size: int, k: int, s: int, p: int, ceil: bool) -> int:
-    """aten's pooling output size (the last window starts inside the input or left padding)."""
-    out = (size + 2 * p - k + ((s - 1) if ceil else 0)) // s + 1
-    return out - 1 if ceil and (out - 1) * s >= size + p else out
+def _pooled(x: torch.Tensor, k, s, p, d, ceil) -> torch.Tensor:
+    """An empty output for pooling x, shaped by aten's own shape rule (its meta kernel), in x's
+    memory format."""
+    meta = torch.ops.aten.max_pool2d_with_indices(x.to("meta"), k, s, p, d, ceil)[0]
+    return _out_like(meta.shape, x, x.dtype)
 
 
 def _format(t: torch.Tensor) -> torch.memory_format:
@@ -161,11 +162,10 @@ def max_pool2d(x: torch.Tensor, kernel_size: list[int], stride: list[int], paddi
     """The pooled output and, per output element, its argmax's offset in the window (int8)."""
     if not _use_triton(x, kernel_size, stride, padding, dilation):
         return _aten_forward(x, kernel_size, stride, padding, dilation, ceil_mode)
-    n, c, h, w = x.shape
-    oh = _window(h, kernel_size[0], stride[0], padding[0], ceil_mode)
-    ow = _window(w, kernel_size[1], stride[1], padding[1], ceil_mode)
-    out = _out_like((n, c, oh, ow), x, x.dtype)
+    out = _pooled(x, kernel_size, stride, padding, dilation, ceil_mode)
     offsets = torch.empty_like(out, dtype=torch.int8)
+    n, c, h, w = x.shape
+    oh, ow = out.shape[-2:]
     _launch(_forward_kernel, n * oh * ow, c, x, out, offsets, n * oh * ow, h, w, oh, ow, c,
             kernel_size[0], stride[0], padding[0])
     return out, offsets
@@ -173,8 +173,7 @@ def max_pool2d(x: torch.Tensor, kernel_size: list[int], stride: list[int], paddi
 
 @max_pool2d.register_fake
 def _(x, kernel_size, stride, padding, dilation, ceil_mode):
-    out = _out_like(torch.ops.aten.max_pool2d_with_indices(
-        x, kernel_size, stride, padding, dilation, ceil_mode)[0].shape, x, x.dtype)
+    out = _pooled(x, kernel_size, stride, padding, dilation, ceil_mode)
     return out, torch.empty_like(out, dtype=torch.int8)
 
 
