@@ -58,22 +58,24 @@ def bare(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
     import torch.nn.functional as F
 
     import mixprec.models  # noqa: F401  (registers mixprec_digits_cnn with timm)
-    from mixprec.precision import set_tf32
+    from mixprec import precision as precisions
+    from mixprec.config import compose_config, validate
+    from mixprec.process import set_tf32
 
-    cuda, batch, precision = preset == "gpu", row["batch"], row["precision"]
+    cuda, batch = preset == "gpu", row["batch"]
     device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = cuda
-    set_tf32(precision != "fp32")
-    dtype = {"fp32": None, "tf32": None, "amp": torch.float16, "bf16": torch.bfloat16,
-             "fp8": torch.bfloat16, "fp8_rowwise": torch.bfloat16}[precision]
+    # the precision's own settings and conversion (train.py's plugin): its autocast dtype, its
+    # TF32 switch, and e.g. fp8's torchao conversion with the same layer filter
+    c = validate(compose_config([f"precision={row['precision']}"]))
+    prec = precisions.build(c.precision, c.scaler, device)
+    set_tf32(c.precision.tf32)
+    dtype = prec.dtype
     fmt = torch.channels_last if row["channels_last"] else torch.contiguous_format
     if cuda:
         model = timm.create_model(row["model"], num_classes=1000).to(device, memory_format=fmt)
-        if precision.startswith("fp8"):  # the same torchao conversion and layer filter as train.py
-            from mixprec.fp8 import Float8Training
-            recipe = "rowwise" if precision == "fp8_rowwise" else "tensorwise"
-            model = Float8Training(recipe, convert_head=False).prepare(model)
+        model = prec.convert(model)
         data = [(torch.randn(batch, 3, 224, 224, device=device).contiguous(memory_format=fmt),
                  torch.randint(0, 1000, (batch,), device=device))]
         batches = lambda: iter(data * 10**9)  # noqa: E731  (the same batch every step)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixprec import report, run, rundir, tracking
+from mixprec import report, run, rundir
+from mixprec.sinks import local
 from mixprec.errors import CheckpointError, ConfigError, Diverged, RunDirBusy
 
 from conftest import ROOT, run_train
@@ -90,7 +91,7 @@ def test_a_torn_metrics_line_blocks_neither_resume_nor_report(cfg_factory, tmp_p
         f.write('{"step": 21, "train/lo')  # the power went out mid-write
     again = cfg_factory("trainer.max_steps=30", "resume=auto", f"run_dir={d}")
     assert run.run(again)["steps"] == 30
-    rows = tracking.read_jsonl(d / "metrics.jsonl")
+    rows = local.read_jsonl(d / "metrics.jsonl")
     assert rows[-1]["step"] == 30 and all("step" in r for r in rows)
     with open(d / "metrics.jsonl", "a") as f:
         f.write("\x00\x00garbage")
@@ -104,8 +105,8 @@ def test_drop_rows_after_keeps_what_a_resume_repeats(tmp_path):
     path = tmp_path / "metrics.jsonl"
     rows = [{"step": s, "train/loss": 1.0} for s in range(1, 9)] + [{"step": 5, "val/acc1": 0.5}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9, "tr')
-    tracking._drop_rows_after(path, 5)
-    assert [(r["step"], "val/acc1" in r) for r in tracking.read_jsonl(path)] == [
+    local.drop_rows_after(path, 5)
+    assert [(r["step"], "val/acc1" in r) for r in local.read_jsonl(path)] == [
         (s, False) for s in range(1, 6)]
 
 
@@ -150,7 +151,7 @@ def test_a_finished_run_dir_is_refused_without_resume_and_started_over_with_over
         run.run(cfg_factory("trainer.max_steps=3", f"run_dir={d}"))
     assert (d / "metrics.jsonl").read_text() == before  # untouched
     run.run(cfg_factory("trainer.max_steps=2", "overwrite=true", f"run_dir={d}"))
-    steps = [r["step"] for r in tracking.read_jsonl(d / "metrics.jsonl") if "train/loss" in r]
+    steps = [r["step"] for r in local.read_jsonl(d / "metrics.jsonl") if "train/loss" in r]
     assert steps == [1, 2] and summary(d)["steps"] == 2
 
 

@@ -16,6 +16,13 @@ from conftest import compose_cfg, group
 pytest.importorskip("torchao.float8")
 
 
+def fp8_plugin(recipe: str = "tensorwise", convert_head: bool = False, name: str = "fp8"):
+    """The fp8 precision as train.py builds it, without the GPU check (conversion runs on the
+    CPU; training needs float8 tensor cores)."""
+    return precision.build(group("precision", name, fp8_recipe=recipe, fp8_head=convert_head),
+                           group("scaler"), torch.device("cpu"), check_device=False)
+
+
 class Net(nn.Module):
     """Linear layers that fit float8 (multiples of 16) and two that do not: one too narrow, and
     the classifier head."""
@@ -36,7 +43,7 @@ def test_fp8_composes_as_a_precision_option():
     assert (c.precision.autocast, c.precision.fp8_recipe, c.precision.fp8_head) == (
         "bfloat16", "tensorwise", False)
     assert validate(compose_cfg(["precision=fp8_rowwise"])).precision.fp8_recipe == "rowwise"
-    assert validate(compose_cfg(["precision=bf16"])).precision.fp8_recipe is None
+    assert not hasattr(validate(compose_cfg(["precision=bf16"])).precision, "fp8_recipe")
 
 
 @pytest.mark.parametrize("overrides,needle", [
@@ -55,36 +62,36 @@ def test_fp8_on_the_cpu_is_a_config_error_before_any_work(cfg_factory):
 
 
 def test_the_filter_converts_aligned_linears_but_not_the_head():
-    conv = fp8.Float8Training("tensorwise", convert_head=False)
-    model = conv.prepare(Net())
+    conv = fp8_plugin("tensorwise", False)
+    model = conv.convert(Net())
     assert conv.converted == ["fc1", "fc2"]
     assert type(model.fc1).__name__ == "Float8Linear" and type(model.head) is nn.Linear
     assert type(model.odd) is nn.Linear  # 24 outputs: not a multiple of 16
-    both = fp8.Float8Training("rowwise", convert_head=True)
+    both = fp8_plugin("rowwise", True)
     wide = Net()
     wide.head = nn.Linear(24, 16)  # still fed by the 24-wide layer: in_features 24 is not aligned
-    both.prepare(wide)
+    both.convert(wide)
     assert both.converted == ["fc1", "fc2"]
-    head_too = fp8.Float8Training("tensorwise", convert_head=True)
+    head_too = fp8_plugin("tensorwise", True)
     aligned = Net()
     aligned.odd, aligned.head = nn.Linear(64, 32), nn.Linear(32, 16)
-    head_too.prepare(aligned)
+    head_too.convert(aligned)
     assert head_too.converted == ["fc1", "fc2", "odd", "head"]
 
 
 def test_a_timm_vit_keeps_its_head_in_bf16():
     import timm
-    conv = fp8.Float8Training("tensorwise", convert_head=False)
-    vit = conv.prepare(timm.create_model("vit_small_patch16_224", num_classes=10))
+    conv = fp8_plugin("tensorwise", False)
+    vit = conv.convert(timm.create_model("vit_small_patch16_224", num_classes=10))
     assert len(conv.converted) == 48 and "head" not in conv.converted  # 12 blocks x qkv/proj/fc1/fc2
     assert type(vit.head) is nn.Linear
 
 
 def test_a_converted_model_checkpoints_as_plain_tensors(tmp_path):
-    model = fp8.Float8Training("tensorwise", False).prepare(Net())
+    model = fp8_plugin("tensorwise", False).convert(Net())
     torch.save(model.state_dict(), tmp_path / "m.pt")
     loaded = torch.load(tmp_path / "m.pt", weights_only=True)  # no code can run on load
-    fresh = fp8.Float8Training("tensorwise", False).prepare(Net())
+    fresh = fp8_plugin("tensorwise", False).convert(Net())
     fresh.load_state_dict(loaded)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                   fresh.state_dict().values()))
@@ -92,9 +99,11 @@ def test_a_converted_model_checkpoints_as_plain_tensors(tmp_path):
 
 def test_the_float8_flop_share_and_the_peak_it_implies():
     torch.manual_seed(0)
-    model = fp8.Float8Training("tensorwise", False).prepare(Net())
+    conv = fp8_plugin("tensorwise", False)
+    model = conv.convert(Net())
     bf16 = precision.build(group("precision", "bf16"), group("scaler"), torch.device("cpu"))
-    total, in_float8 = perf.train_flops(model, (32,), 10, torch.device("cpu"), bf16.autocast)
+    total, in_float8 = perf.train_flops(model, (32,), 10, torch.device("cpu"), bf16.autocast,
+                                        set(conv.owned()))
     # forward 2*in*out per sample, backward twice that (torchao's Float8Linear computes the
     # input gradient of fc1 too, though the network's input needs none)
     per_layer = {"fc1": 2 * 32 * 64 * 3, "fc2": 2 * 64 * 64 * 3, "odd": 2 * 64 * 24 * 3,
@@ -105,12 +114,18 @@ def test_the_float8_flop_share_and_the_peak_it_implies():
     assert fp8.blended_peak(1000.0, 2000.0, 1.0) == pytest.approx(2000.0)
     assert fp8.blended_peak(1000.0, 2000.0, 0.5) == pytest.approx(1 / (0.25e-3 + 0.5e-3))
     assert fp8.blended_peak(1000.0, None, 0.5) is None  # an unknown fp8 peak: no MFU
+    share = in_float8 / total  # what the run's MFU is measured against: the plugin's peak
+    assert conv.peak_tflops({"bf16": 1000.0, "fp8": 2000.0}, share) == pytest.approx(
+        fp8.blended_peak(1000.0, 2000.0, share))
+    assert bf16.peak_tflops({"bf16": 1000.0, "fp8": 2000.0}, 0.0) == 1000.0
 
 
 def test_the_dtype_audit_lists_the_float8_layers():
-    model = fp8.Float8Training("tensorwise", False).prepare(Net())
+    conv = fp8_plugin("tensorwise", False)
+    model = conv.convert(Net())
     bf16 = precision.build(group("precision", "bf16"), group("scaler"), torch.device("cpu"))
-    result = diagnose.audit(model, torch.randn(16, 32), bf16.autocast)
-    assert result["float8_layers"] == ["fc1", "fc2"]
-    assert 0 < result["float8_share"] < 1
-    assert "2 Linear layers ran in float8" in diagnose.markdown(result, "fp8")
+    result = diagnose.audit(model, torch.randn(16, 32), bf16.autocast, conv.owned())
+    assert [m["module"] for m in result["converted"]] == ["fc1", "fc2"]
+    assert {m["dtype"] for m in result["converted"]} == {"float8"}
+    assert 0 < result["converted_share"] < 1
+    assert "2 layers converted by the precision ran in float8" in diagnose.markdown(result, "fp8")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixprec import hardware, run
+from mixprec import hardware, process, run
 from mixprec.errors import ConfigError, OutOfMemory
 
 from conftest import group
@@ -51,13 +51,13 @@ def test_memory_cap_emulates_a_24_gib_card():
     if total < 30:
         pytest.skip("the GPU is not larger than an RTX 3090")
     try:
-        hardware.cap_memory(24, "rtx3090")
+        process.cap_memory(24, "rtx3090", torch.device("cuda"))
         with pytest.raises(torch.OutOfMemoryError):
             torch.empty(int(25 * hardware.GIB), dtype=torch.uint8, device="cuda")
         ok = torch.empty(int(20 * hardware.GIB), dtype=torch.uint8, device="cuda")
         del ok
         with pytest.raises(ConfigError, match="has .* GiB"):
-            hardware.cap_memory(total * 2, "huge")
+            process.cap_memory(total * 2, "huge", torch.device("cuda"))
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()

@@ -17,7 +17,7 @@ def test_environment_yml_matches_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     want = {_norm(r) for r in project["dependencies"] + extras["test"] + extras["sweep"]
-            + extras["cluster"] + extras["fp8"]}
+            + extras["cluster"] + extras["fp8"] + extras["tensorboard"]}
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
     got = {_norm(r) for r in pip if not r.startswith("-e")}

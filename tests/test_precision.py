@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import hardware, loop, optim, precision
+from mixprec import build, hardware, loop, optim, precision, process
+from mixprec.config import validate
+from mixprec.step_guards import BatchNormGuard
 
-from conftest import group
+from conftest import compose_cfg, group
 
 CPU = torch.device("cpu")
 
@@ -154,7 +156,7 @@ def test_the_batchnorm_guard_changes_nothing_on_clean_steps():
     m2, s2, _, _ = bn_steps(False, blow_up=None)
     assert all(torch.equal(a, b) for a, b in zip(s1, s2))
     assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
-    assert not precision.BatchNormGuard(mlp(), True).enabled  # no BatchNorm: no work
+    assert not BatchNormGuard(mlp(), True).enabled  # no BatchNorm: no work
 
 
 def test_scale_grows_after_growth_interval_clean_steps():
@@ -292,7 +294,8 @@ def loop_run(model, data, device, fused: bool, tmp_path, settle_late: bool = Tru
                            fp16(device, init_scale=1024.0))
     plan = loop.Plan(total_steps=8, epochs=10, accum=1, log_every=4, samples_per_step=8,
                      settle_late=settle_late)
-    tracker = Tracker(tmp_path, None, {})
+    from mixprec import sinks
+    tracker = Tracker(sinks.build(sinks.LoggerConfig({}), sinks.Context(tmp_path, {}, "test", (), None)))
     hooks = Hooks(tracker, Throughput(device, 0), DivergenceGuard(device, 3, 1.0),
                   lambda: hardware.memory_stats(device))
     with warnings.catch_warnings():
@@ -371,9 +374,13 @@ def test_mfu_flop_count_matches_a_hand_count():
                                        ("bf16", True), ("fp32", False)])
 def test_each_precision_sets_the_tf32_switches(name, tf32):
     """TF32 is part of the precision: fp32 means IEEE fp32 matmuls and convolutions, the others
-    allow TF32 tensor cores (checked on torch's backend flags, which the CPU carries too)."""
-    precision.set_tf32(not tf32)  # start from the opposite, so a no-op set_tf32 fails
-    precision.build(group("precision", name), group("scaler"), CPU)
+    allow TF32 tensor cores (checked on torch's backend flags, which the CPU carries too). The
+    run's one place for process settings applies it; building a precision changes nothing."""
+    process.set_tf32(not tf32)  # start from the opposite, so a no-op set_tf32 fails
+    c = validate(compose_cfg([f"precision={name}", "hardware=cpu"]))
+    precision.build(c.precision, c.scaler, CPU)
+    assert process.tf32_enabled() is (not tf32)  # a builder has no process-wide side effects
+    process.apply(build.process_settings(c, c.hardware), CPU)
     mode = "tf32" if tf32 else "ieee"
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         assert torch.backends.cuda.matmul.fp32_precision == mode

@@ -142,7 +142,7 @@ def test_fault_during_checkpoint_write_leaves_the_previous_one(cfg_factory, monk
     prec = precision.build(group("precision", "fp32"), group("scaler"), torch.device("cpu"))
     learner = loop.Learner(model, opt, optim.build_scheduler(group("scheduler"), opt, 2), prec)
     with pytest.raises(OSError, match="disk full"):
-        checkpoint.save(last, learner, state, config={}, wandb_id=None)
+        checkpoint.save(last, learner, state, config={})
     again = checkpoint.load(last)
     assert again["state"]["step"] == 2
     assert not list(last.parent.glob("*.tmp"))

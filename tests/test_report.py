@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -117,13 +118,30 @@ def test_grad_histograms_see_true_not_scaled_gradients():
     true_max = max(p.grad.abs().max().item() for p in model.parameters())
     model.zero_grad()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    seen = []
-    diagnose.GradHistograms(model, opt, 1, lambda values, step: seen.append(values))
     amp = precision.build(group("precision", "amp"), group("scaler", init_scale=65536.0), CPU)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-    loop.train_step(loop.Learner(model, opt, sched, amp), [(x, y)])
-    assert seen and seen[0]["grad/abs_max"] == pytest.approx(true_max, rel=0.05)
-    assert seen[0]["grad/all"].numel() == sum(p.numel() for p in model.parameters())
+    out = loop.train_step(loop.Learner(model, opt, sched, amp), [(x, y)], want_grad_norm=True,
+                          want_grads=True)
+    assert out.grads.abs().max().item() == pytest.approx(true_max, rel=0.05)  # unscaled
+    assert out.grads.numel() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_grad_histograms_are_taken_on_logged_steps_at_their_real_step(tmp_path):
+    """diagnose=true: one histogram per logged step, at that step's number (never a skipped
+    step's inf/nan gradients), continuing from the checkpoint's step after a resume."""
+    args = ["diagnose=true", "logger=none", "precision=amp", "trainer.log_every=4",
+            "scaler.init_scale=1e30", f"hydra.run.dir={tmp_path}"]  # the first steps overflow
+    proc = run_train([*args, "trainer.max_steps=8"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_train([*args, "trainer.max_steps=12", "resume=auto"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["step"] for r in rows if "train/loss" in r]
+    hist = [r for r in rows if "grad/abs_max" in r]
+    assert [r["step"] for r in hist] == logged == [4, 8, 12]
+    assert all(math.isfinite(r["grad/abs_max"]) for r in hist)
+    assert json.loads((tmp_path / "summary.json").read_text())["skipped_steps"] > 0
 
 
 def test_loss_scale_plot(tmp_path):

@@ -72,7 +72,7 @@ def test_compile_options_are_unused_not_an_error_without_compile(cfg_factory, ca
     c = validate(cfg_factory("model=digits_mlp", "+model.kwargs.width=16",
                              "+model.compile_options.conv_1x1_as_mm=true"))
     with caplog.at_level("INFO", logger="mixprec.models"):
-        model = models.build(c.model, 10, (1, 8, 8), torch.device("cpu"))
+        model = models.compiled(models.build(c.model, 10, (1, 8, 8), torch.device("cpu")), c.model)
     assert not hasattr(model, "_orig_mod")  # not an OptimizedModule
     assert "model.compile=false: model.compile_options {'conv_1x1_as_mm': True} unused" in caplog.text
 

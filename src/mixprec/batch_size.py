@@ -14,12 +14,10 @@ a multiple of 8 (tensor-core friendly), is cached per (model, input, precision, 
 GPU, cap, torch version)."""
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +26,7 @@ from typing import Callable, Optional
 import torch
 from omegaconf import MISSING
 
-from . import distributed, hardware, loop
+from . import distributed, files, hardware, loop
 from .errors import check
 
 log = logging.getLogger(__name__)
@@ -169,14 +167,10 @@ def cached(key: dict, path: Path | None, compute: Callable[[], tuple[int, list]]
     if path is not None:
         table = _read(path)
         table[k] = {"batch": found, "probes": probes, "date": time.strftime("%Y-%m-%d %H:%M")}
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(table, indent=1))
-            os.replace(tmp, path)
+            files.write_atomic(path, json.dumps(table, indent=1))
         except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
             log.warning("batch=auto: could not write the cache %s (%s); the result is used but not "
                         "cached (batch_search.cache=<writable path> or null)", path, e)
     return found, False
@@ -215,12 +209,12 @@ def split_effective(target: int, max_micro: int, world: int) -> tuple[int, int, 
                           f"{world} = {got}")
 
 
-def probe_with(new_learner: Callable[[], "loop.Learner"], inputs: Callable[[int], tuple],
+def probe_with(new_learner: Callable[[int], "loop.Learner"], inputs: Callable[[int], tuple],
                steps: int, clip_grad_norm: float | None) -> Callable[[int], int]:
     """A probe for search(): real training steps at batch b with fresh model, optimizer and
     scaler state, so it sees the memory training will need; returns the peak (bytes)."""
     def probe(b: int) -> int:
-        learner = new_learner()
+        learner = new_learner(b)
         x, y = inputs(b)
         # training holds a second input batch too (the prefetched next one, or synthetic
         # data's validation batch): a probe without it finds a batch that OOMs in training

@@ -3,6 +3,7 @@ data, model, optimizer, schedule, loop plan) and says what it built. With run.py
 reader of the config: everything it builds gets plain objects and numbers."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -13,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import batch_size, config, distributed, fp8, hardware, loop, models, optim, perf, precision
+from . import (batch_size, config, distributed, hardware, loop, models, optim, perf, precision,
+               process)
 from . import data as datasets
 from .config import TrainConfig
 from .errors import ConfigError
@@ -63,6 +65,16 @@ def resolve_hardware(c: TrainConfig) -> hardware.HardwareConfig:
     return hardware.resolve(c.hardware, config.hardware_profiles())
 
 
+@dataclass(frozen=True)
+class Spec:
+    """What the model is built for: the data's classes and input shape, and the micro-batch
+    (CUDA graphs are captured for that one shape)."""
+
+    num_classes: int
+    input_shape: tuple[int, ...]
+    batch: int
+
+
 def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> Parts:
     device = hardware.setup(hw, dd.local_rank)
     if c.needs_gpu and device.type != "cuda":
@@ -70,42 +82,66 @@ def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> 
                           "would train on the CPU; run it on a CUDA machine, or try the "
                           "pipeline on the CPU with a small shape, e.g. `needs_gpu=false "
                           "model=resnet18 data.shape=[3,32,32] batch=8 trainer.max_steps=20`")
+    process.apply(process_settings(c, hw), device)
     seed_everything(c.seed + dd.rank)  # DDP copies rank 0's initial weights to every rank
-    prec = precision.build(c.precision, c.scaler, device)
+    prec = new_precision(c, device)
     layout = _layout(c, hw, device, dd.world)
     data = datasets.build(c.data, datasets.Context(
         layout.batch, device, c.seed, c.model.channels_last, dd.rank, dd.world,
         datasets.Workers(hw.num_workers, hw.pin_memory, hw.persistent_workers)))
-    model = models.build(c.model, data.num_classes, data.input_shape, device,
-                         prec.linears.prepare)
-    flops, peak = _flops_and_peak(model, data, hw, prec, device)
-    if c.model.cuda_graphs:  # a fixed batch shape: the one every training step has
-        model = models.capture_graphs(model, example(c, data.input_shape, device, layout.batch),
-                                      prec)
     lr = optim.scaled_lr(c.optimizer, layout.effective)
-    optimizer = optim.build_optimizer(c.optimizer, model, lr, device)
-    model = distributed.wrap(model, dd, device)
+    counted: list = []
+    model, optimizer = assemble(c, prec, Spec(data.num_classes, data.input_shape, layout.batch),
+                                device, dd, lr, inspect=lambda m: counted.extend(
+                                    _flops_and_peak(m, data, hw, prec, device)))
     plan = _plan(c, len(data.train), layout)
     scheduler = optim.build_scheduler(c.scheduler, optimizer, plan.total_steps)
     learner = loop.Learner(model, optimizer, scheduler, prec)
-    parts = Parts(c, hw, dd, device, layout, data, learner, plan, lr, flops, peak)
+    parts = Parts(c, hw, dd, device, layout, data, learner, plan, lr, *counted)
     announce(parts)
     return parts
 
 
+def process_settings(c: TrainConfig, hw: hardware.HardwareConfig) -> process.Settings:
+    blocks = c.model.compile and c.model.compile_scope == "blocks"
+    return process.Settings(
+        tf32=c.precision.tf32, cudnn_benchmark=hw.cudnn_benchmark, memory_gib=hw.memory_gib,
+        profile=hw.name, recompile_limit=models.BLOCK_RECOMPILE_LIMIT if blocks else None,
+        detect_anomaly=c.debug.detect_anomaly)
+
+
+def new_precision(c: TrainConfig, device: torch.device) -> precision.Precision:
+    # torch: CUDA graphs need autocast's weight-cast cache off
+    return precision.build(c.precision, c.scaler, device, cache=not c.model.cuda_graphs)
+
+
+def assemble(c: TrainConfig, prec: precision.Precision, spec: Spec, device: torch.device,
+             dd: distributed.Dist, lr: float, inspect=lambda model: None) -> tuple:
+    """(model, optimizer) in the one build order: the model, the precision's conversion, the
+    parallel wrap, compile (or CUDA graphs), then the optimizer. Sharding (FSDP2) replaces the
+    parameters in the wrap, so the optimizer must come after it; torch.compile wraps the
+    parallel module, as torch recommends for DDP. `inspect` sees the converted, unwrapped model
+    (the FLOP count). Training and every batch=auto probe are built here."""
+    model = models.build(c.model, spec.num_classes, spec.input_shape, device)
+    model = prec.convert(model)
+    inspect(model)
+    model = distributed.wrap(model, dd, device)
+    if c.model.cuda_graphs:  # a fixed batch shape: the one every training step has
+        models.capture_graphs(models.unwrap(model),
+                              example(c, spec.input_shape, device, spec.batch), prec)
+    model = models.compiled(model, c.model)
+    return model, optim.build_optimizer(c.optimizer, models.unwrap(model), lr, device)
+
+
 def _flops_and_peak(model, data, hw, prec, device) -> tuple[int | None, float | None]:
-    """Training FLOPs per sample and the dense peak they could reach: the profile's peak for the
-    run's dtype, blended with the float8 peak by the FLOP share of float8 layers (precision=fp8).
+    """Training FLOPs per sample and the dense peak they could reach: the precision's peak for
+    the share of FLOPs in the modules it owns (precision=fp8: float8 and bf16 blended).
     (None, None) where the profile knows no peak (the count is skipped)."""
-    if not hw.peak_tflops.get(prec.peak_key):
+    if not prec.peak_tflops(hw.peak_tflops, 0.0):
         return None, None
-    total, in_float8 = perf.train_flops(model, data.input_shape, data.num_classes, device,
-                                        prec.autocast)
-    share = in_float8 / total if total else 0.0
-    if share:
-        log.info("precision=fp8: %.1f%% of the training FLOPs run in float8; MFU counts them "
-                 "against the float8 peak", 100 * share)
-    return total, fp8.blended_peak(hw.peak_tflops[prec.peak_key], hw.peak_tflops.get("fp8"), share)
+    total, owned = perf.train_flops(model, data.input_shape, data.num_classes, device,
+                                    prec.autocast, set(prec.owned()))
+    return total, prec.peak_tflops(hw.peak_tflops, owned / total if total else 0.0)
 
 
 def _plan(c: TrainConfig, micro_batches_per_epoch: int, layout: Layout) -> loop.Plan:
@@ -160,16 +196,18 @@ def _layout(c: TrainConfig, hw, device: torch.device, world: int) -> Layout:
 
 
 def _auto_batch(c: TrainConfig, hw, device: torch.device) -> tuple[int, int]:
-    """(micro-batch to use, the largest that trained), searched with real training steps."""
+    """(micro-batch to use, the largest that trained), searched with real training steps on
+    models built as training builds them (assemble), unwrapped: a probe that runs out of memory
+    on one rank must not leave the others waiting in a DDP all-reduce."""
     if device.type != "cuda":
         raise ConfigError("batch=auto searches GPU memory and needs a CUDA device; on the CPU "
                           "give batch=<int>")
     num_classes, shape = datasets.spec(c.data)
 
-    def new_learner() -> loop.Learner:
-        prec = precision.build(c.precision, c.scaler, device)
-        model = models.build(c.model, num_classes, shape, device, prec.linears.prepare)
-        opt = optim.build_optimizer(c.optimizer, model, 1e-6, device)
+    def new_learner(b: int) -> loop.Learner:
+        prec = new_precision(c, device)
+        model, opt = assemble(c, prec, Spec(num_classes, shape, b), device, distributed.Dist(),
+                              1e-6)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
         return loop.Learner(model, opt, sched, prec)
 
@@ -178,25 +216,32 @@ def _auto_batch(c: TrainConfig, hw, device: torch.device) -> tuple[int, int]:
 
     probe = batch_size.probe_with(new_learner, inputs, c.batch_search.probe_steps,
                                   c.trainer.clip_grad_norm)
-    key = {"model": c.model.name, "kwargs": c.model.kwargs, "shape": list(shape),
-           "classes": num_classes, "autocast": c.precision.autocast, "scaler": c.scaler.enabled,
-           "optimizer": c.optimizer.name, "channels_last": c.model.channels_last,
-           "compile": [c.model.compile, c.model.compile_mode, c.model.compile_scope],
-           "grad_checkpointing": c.model.grad_checkpointing,
-           **({"triton_max_pool": True} if c.model.triton_max_pool else {}),  # int8 offsets saved
-           "gpu": torch.cuda.get_device_name(device), "memory_gib": hw.memory_gib,
-           "torch": torch.__version__, "clip": c.trainer.clip_grad_norm is not None,
-           "resolution": c.batch_search.resolution}
+    key = memory_key(c, new_precision(c, device), (num_classes, *shape),
+                     torch.cuda.get_device_name(device), hw.memory_gib)
     return batch_size.find(probe, c.batch_search, key,
                            hardware.memory_limit(device, hw.memory_gib))
 
 
+def memory_key(c: TrainConfig, prec: precision.Precision, data_spec: tuple, gpu: str,
+               memory_gib: float | None) -> dict:
+    """batch=auto's cache key, from the resolved objects: everything that changes how much
+    memory a training step takes (the model and its switches, what the precision does, the
+    optimizer's kernels, clipping), and where (GPU, cap, torch)."""
+    opt = c.optimizer
+    return {"model": dataclasses.asdict(c.model), "precision": prec.memory_key(),
+            "data": list(data_spec), "optimizer": [opt.name, opt.fused, opt.foreach],
+            "clip": c.trainer.clip_grad_norm is not None, "gpu": gpu, "memory_gib": memory_gib,
+            "torch": torch.__version__, "resolution": c.batch_search.resolution}
+
+
 def audit_inputs(c: TrainConfig) -> tuple[torch.nn.Module, torch.Tensor, precision.Precision]:
     """(model, example batch, precision) for `python -m mixprec.diagnose` (no data, no training)."""
-    device = hardware.setup(resolve_hardware(c))
-    prec = precision.build(c.precision, c.scaler, device)
+    hw = resolve_hardware(c)
+    device = hardware.setup(hw)
+    process.apply(process_settings(c, hw), device)
+    prec = new_precision(c, device)
     num_classes, shape = datasets.spec(c.data)
-    model = models.build(c.model, num_classes, shape, device, prec.linears.prepare)
+    model = prec.convert(models.build(c.model, num_classes, shape, device))
     return model, example(c, shape, device), prec
 
 
@@ -217,13 +262,8 @@ def announce(p: Parts) -> None:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     log.info("hardware=%s (%s), torch %s", p.hw.name, gpu, torch.__version__)
     log.info(prec.describe())
-    if prec.linears.converted and not c.model.compile:
-        log.warning("precision=fp8 without model.compile=true: torchao's float8 casts then run "
-                    "as separate eager kernels, usually slower than bf16; add model.compile=true")
-    if device.type == "cpu" and prec.dtype is torch.float16:
-        log.warning("precision=%s on the CPU: float16 autocast is emulated there, several times "
-                    "slower than fp32 (measured on a 2-core CPU: benchmarks/RESULTS.md); it "
-                    "shows the recipe works, not what it buys on a GPU", c.precision.name)
+    for warning in prec.advice(compiled=c.model.compile):
+        log.warning(warning)
     log.info("model=%s data=%s batch=%d accum=%d world=%d -> effective batch %d; lr %.4g (%s "
              "scaling from %.4g at %d); %d optimizer steps", c.model.name, c.data.name,
              p.layout.batch, p.layout.accum, p.layout.world, p.layout.effective, p.lr,

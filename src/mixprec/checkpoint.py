@@ -2,13 +2,13 @@
 
 Everything saved is plain data (tensors, numbers, strings, lists, dicts), so loading uses
 torch.load(weights_only=True): a checkpoint from elsewhere cannot run code. Writes are atomic
-(temp file in the same dir, fsync, os.replace): a crash mid-write leaves the previous one intact.
+(files.write_atomic): a crash mid-write leaves the previous one intact. Model keys are those of
+the plain module (models.unwrap): never `module.` or `_orig_mod.`, however the run was wrapped.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +19,13 @@ import torch
 
 from omegaconf import MISSING
 
+from . import files
 from .errors import CheckpointError, ConfigError, check
+from .models import unwrap
 
 log = logging.getLogger(__name__)
 FORMAT = 1
-KEYS = ("model", "optimizer", "scaler", "scheduler", "state", "rng", "wandb_id", "config")
+KEYS = ("model", "optimizer", "scaler", "scheduler", "state", "rng", "config")
 
 
 @dataclass
@@ -56,48 +58,22 @@ def set_rng_state(s: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain module under DDP and torch.compile wrappers (stable state_dict keys)."""
-    model = getattr(model, "_orig_mod", model)
-    return getattr(model, "module", model)
-
-
-def save(path: Path, learner, state, config: dict, wandb_id: str | None, keep: int = 1) -> Path:
+def save(path: Path, learner, state, config: dict, keep: int = 1) -> Path:
     """last.pt (a hard link to the newest step_N.pt) for the learner (model, optimizer, scaler,
-    scheduler) and the loop state, plus the RNG states, W&B run id and the config that ran."""
+    scheduler) and the loop state, plus the RNG states and the config that ran. (Loggers keep
+    their own resume ids in the run dir: sinks/.)"""
     path.parent.mkdir(parents=True, exist_ok=True)
     blob = {"format": FORMAT, "model": unwrap(learner.model).state_dict(),
             "optimizer": learner.optimizer.state_dict(),
             "scaler": learner.precision.scaler.state_dict(),
             "scheduler": learner.scheduler.state_dict(), "state": dataclasses.asdict(state),
-            "rng": rng_state(), "wandb_id": wandb_id, "config": config}
+            "rng": rng_state(), "config": config}
     step_path = path.parent / f"step_{state.step:08d}.pt"
-    _atomic_save(blob, step_path)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    os.link(step_path, tmp)  # last.pt is the newest step file under a stable name
-    os.replace(tmp, path)
+    files.write_atomic(step_path, lambda f: torch.save(blob, f))
+    files.link_atomic(step_path, path)  # last.pt is the newest step file under a stable name
     for old in sorted(path.parent.glob("step_*.pt"))[:-keep]:
         old.unlink()
     return path
-
-
-def _atomic_save(blob: dict, path: Path) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(blob, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # the previous checkpoint stays as it was
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def find(resume: str, run_dir: Path) -> Path | None:

@@ -3,7 +3,9 @@ of its concern (precision.py holds PrecisionConfig and ScalerConfig, data/<name>
 Config, ...). Values live in conf/*.yaml only: a field here has a type, a one-line meaning and
 its checks, never a default of its own (MISSING), so a default lives in one place.
 
-Hydra merges conf/ onto this schema (wrong types fail at compose time); validate() builds the
+The data, precision and logger groups are plugins (data/<name>.py, precision.plugin,
+sinks/<name>.py): their nodes are
+parsed by their own Config. Hydra merges conf/ onto this schema (wrong types fail at compose time); validate() builds the
 dataclasses, which runs every __post_init__ check, and refuses keys that match no field (a typo
 added with `+`) and non-finite numbers. Errors name the key and what is allowed.
 """
@@ -28,12 +30,12 @@ from .errors import ConfigError, check, nearest, one_of
 from .hardware import HardwareConfig, Profiles
 from .models import ModelConfig
 from .optim import OptimizerConfig, SchedulerConfig
-from .precision import PrecisionConfig, ScalerConfig
+from . import precision as precisions
+from .precision import ScalerConfig
 from .safety import DebugConfig
-from .tracking import LoggerConfig
+from . import metrics, sinks
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's conf/ (pip install -e)
-OBJECTIVES = ("val_acc1", "val_loss", "samples_per_s", "peak_mem_gib", "train_loss", "mfu")
 _FREE_FORM = ("compile_options", "kwargs", "peak_tflops")  # dict fields with any keys
 
 
@@ -67,14 +69,14 @@ class TrainerConfig:
 class TrainConfig:
     """conf/train.yaml: the groups, then the run's own keys."""
 
-    precision: PrecisionConfig = MISSING
+    precision: Any = MISSING  # the chosen precision plugin's own Config (precision.py)
     scaler: ScalerConfig = MISSING
     optimizer: OptimizerConfig = MISSING
     scheduler: SchedulerConfig = MISSING
     hardware: HardwareConfig = MISSING
     model: ModelConfig = MISSING
     data: Any = MISSING  # the chosen dataset's own Config (mixprec/data/<name>.py)
-    logger: LoggerConfig = MISSING
+    logger: Any = MISSING  # the chosen sinks, each with its own Config (sinks/)
     trainer: TrainerConfig = MISSING
     ckpt: CkptConfig = MISSING
     debug: DebugConfig = MISSING
@@ -97,7 +99,7 @@ class TrainConfig:
         check(ok, "batch", self.batch, "an int >= 1 or auto")
         check(isinstance(self.accum, int) and self.accum >= 1, "accum", self.accum, "an int >= 1")
         check(0 <= self.seed < 2**31, "seed", self.seed, "an int in [0, 2^31)")
-        one_of("objective", self.objective, OBJECTIVES)
+        one_of("objective", self.objective, metrics.objectives())
         check(self.effective_batch is None or self.effective_batch >= 1, "effective_batch",
               self.effective_batch, "null or an int >= 1")
 
@@ -113,11 +115,13 @@ def validate(cfg: DictConfig) -> TrainConfig:
     _finite(cfg, "")
     try:
         data = datasets.parse(OmegaConf.to_container(cfg.data, resolve=True))
+        prec = precisions.parse(OmegaConf.to_container(cfg.precision, resolve=True))
+        logger = sinks.parse(OmegaConf.to_container(cfg.logger, resolve=True))
         c: TrainConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except OmegaConfBaseException as e:  # __post_init__ errors arrive wrapped
         cause = e.__cause__
         raise (cause if isinstance(cause, ConfigError) else ConfigError(str(e))) from None
-    c.data = data
+    c.data, c.precision, c.logger = data, prec, logger
     return c
 
 

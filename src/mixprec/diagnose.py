@@ -6,7 +6,7 @@
 - tensor-core alignment: Conv/Linear layers whose *channel/feature* counts are not multiples of 8
   (the kernel size does not matter: 3x3 and 7x7 kernels are fine), with their FLOP share: the cost
   of padding them is bounded by that share.
-- gradient histograms of the true (unscaled) gradients to W&B (GradHistograms).
+- gradient histograms of the true (unscaled) gradients on logged steps (ledger.py).
 - the loss-scale history plot (loss_scale_plot).
 
 `python -m mixprec.diagnose <the same overrides as train.py>` prints the first two without training;
@@ -38,16 +38,19 @@ def _module_flops(model: nn.Module, run_forward) -> dict[str, int]:
     return flops
 
 
-def audit(model: nn.Module, x: torch.Tensor, autocast) -> dict:
-    """{'modules': [...], 'low_precision_share': f, 'misaligned': [...], 'misaligned_share': f}."""
+def audit(model: nn.Module, x: torch.Tensor, autocast, owned: dict[str, str] | None = None) -> dict:
+    """{'modules': [...], 'low_precision_share': f, 'converted': [...], 'converted_share': f,
+    'misaligned': [...], 'misaligned_share': f}. `owned`: the modules the precision converted,
+    with the dtype they compute in (Precision.owned(): float8 layers under precision=fp8)."""
+    owned = owned or {}
     dtypes: dict[str, str] = {}
     handles = []
     for name, mod in model.named_modules():
         if next(mod.children(), None) is None:  # leaves only
             def hook(m, args, out, name=name):
                 t = out[0] if isinstance(out, (tuple, list)) else out
-                if type(m).__name__ == "Float8Linear":  # float8 matmul, bf16 output (torchao)
-                    dtypes[name] = "float8"
+                if name in owned:  # e.g. a float8 matmul with a bf16 output
+                    dtypes[name] = owned[name]
                 elif isinstance(t, torch.Tensor):
                     dtypes[name] = str(t.dtype).replace("torch.", "")
             handles.append(mod.register_forward_hook(hook))
@@ -68,7 +71,8 @@ def audit(model: nn.Module, x: torch.Tensor, autocast) -> dict:
     total = sum(leaf_flops.values()) or 1
     modules = [{"module": n, "type": type(model.get_submodule(n)).__name__, "dtype": d,
                 "flops": leaf_flops[n], "share": leaf_flops[n] / total} for n, d in dtypes.items()]
-    low = sum(m["flops"] for m in modules if m["dtype"] in ("float16", "bfloat16", "float8"))
+    low = sum(m["flops"] for m in modules
+              if m["dtype"] in ("float16", "bfloat16", *owned.values()))
     misaligned = []
     for n, mod in model.named_modules():
         if isinstance(mod, _LAYERS):
@@ -79,10 +83,10 @@ def audit(model: nn.Module, x: torch.Tensor, autocast) -> dict:
                 misaligned.append({"module": n, "type": type(mod).__name__, **dims,
                                    "not_multiple_of_8": ",".join(bad),
                                    "share": leaf_flops.get(n, 0) / total})
-    float8 = [m for m in modules if m["dtype"] == "float8"]
+    converted = [m for m in modules if m["module"] in owned]
     return {"modules": modules, "total_forward_flops": total, "low_precision_share": low / total,
-            "float8_layers": [m["module"] for m in float8],
-            "float8_share": sum(m["flops"] for m in float8) / total,
+            "converted": [{"module": m["module"], "dtype": m["dtype"]} for m in converted],
+            "converted_share": sum(m["flops"] for m in converted) / total,
             "misaligned": misaligned,
             "misaligned_share": sum(m["share"] for m in misaligned)}
 
@@ -90,13 +94,14 @@ def audit(model: nn.Module, x: torch.Tensor, autocast) -> dict:
 def markdown(result: dict, precision: str) -> str:
     fp32 = [m for m in result["modules"] if m["dtype"] == "float32" and m["flops"]]
     lines = [f"## dtype audit ({precision})", "",
-             f"{100 * result['low_precision_share']:.1f}% of forward FLOPs ran in fp16/bf16/float8.",
-             ""]
-    if result["float8_layers"]:
-        lines += [f"{len(result['float8_layers'])} Linear layers ran in float8, "
-                  f"{100 * result['float8_share']:.1f}% of forward FLOPs: "
-                  + ", ".join(result["float8_layers"][:12])
-                  + (" ..." if len(result["float8_layers"]) > 12 else ""), ""]
+             f"{100 * result['low_precision_share']:.1f}% of forward FLOPs ran in a low "
+             "precision (fp16, bf16, or what the precision converted).", ""]
+    if result["converted"]:
+        names = [m["module"] for m in result["converted"]]
+        kinds = sorted({m["dtype"] for m in result["converted"]})
+        lines += [f"{len(names)} layers converted by the precision ran in {'/'.join(kinds)}, "
+                  f"{100 * result['converted_share']:.1f}% of forward FLOPs: "
+                  + ", ".join(names[:12]) + (" ..." if len(names) > 12 else ""), ""]
     if fp32:
         lines += ["Modules with FLOPs that stayed in fp32:", "", "| module | type | share of FLOPs |",
                   "|---|---|---|"]
@@ -121,32 +126,11 @@ def markdown(result: dict, precision: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-class GradHistograms:
-    """Every `every` optimizer steps, histograms of the true gradients to W&B.
-
-    Hooked before optimizer.step(), which the loop reaches only after scaler.unscale_(): the
-    values are the real gradients, never the loss-scaled ones (and skipped steps have none)."""
-
-    def __init__(self, model: nn.Module, optimizer, every: int, log) -> None:
-        self.model, self.every, self.log, self.calls = model, every, log, 0
-        optimizer.register_step_pre_hook(self._hook)
-
-    def _hook(self, *_args) -> None:
-        self.calls += 1
-        if self.calls % self.every:
-            return
-        grads = {n: p.grad.detach().float().flatten() for n, p in self.model.named_parameters()
-                 if p.grad is not None}
-        if grads:
-            allg = torch.cat(list(grads.values()))
-            self.log({"grad/all": allg.cpu(), "grad/abs_max": allg.abs().max().item()}, self.calls)
-
-
-def on_run(model: nn.Module, optimizer, x: torch.Tensor, prec, tracker, run_dir: Path,
-           every: int) -> None:
-    """diagnose=true: the audit into the run dir and W&B, then gradient histograms as it trains."""
+def on_run(model: nn.Module, x: torch.Tensor, prec, tracker, run_dir: Path) -> None:
+    """diagnose=true: the audit into the run dir and the loggers (the gradient histograms are
+    the ledger's, on logged steps: ledger.py)."""
     import logging
-    result = audit(model, x, prec.autocast)
+    result = audit(model, x, prec.autocast, prec.owned())
     (run_dir / "diagnose.md").write_text(markdown(result, prec.name))
     (run_dir / "diagnose.json").write_text(json.dumps(result, indent=1))
     logging.getLogger("mixprec").info(
@@ -155,7 +139,6 @@ def on_run(model: nn.Module, optimizer, x: torch.Tensor, prec, tracker, run_dir:
         100 * result["misaligned_share"], run_dir / "diagnose.md")
     tracker.table("diagnose/dtype_audit", result["modules"])
     tracker.table("diagnose/misaligned", result["misaligned"])
-    GradHistograms(model, optimizer, every, tracker.histograms)
 
 
 def loss_scale_plot(run_dir: Path) -> Path | None:
@@ -184,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg = compose_config(argv if argv is not None else sys.argv[1:])
     model, x, prec = audit_inputs(validate(cfg))
-    print(markdown(audit(model, x, prec.autocast), prec.name))
+    print(markdown(audit(model, x, prec.autocast, prec.owned()), prec.name))
 
 
 if __name__ == "__main__":

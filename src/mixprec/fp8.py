@@ -1,20 +1,38 @@
-"""precision=fp8: float8 training through torchao (`torchao.float8`). The eligible Linear layers
-become torchao's Float8Linear, which casts inputs, weights and gradients to float8 (e4m3 forward,
-e5m2 gradients) with a per-tensor or per-row scale and multiplies them on the float8 tensor cores;
-everything else runs under bf16 autocast (precision.py). Weights stay in their own dtype, so
-checkpoints are plain tensors, as for every other precision."""
+"""precision=fp8, a precision plugin: float8 training through torchao (`torchao.float8`). The
+eligible Linear layers become torchao's Float8Linear, which casts inputs, weights and gradients
+to float8 (e4m3 forward, e5m2 gradients) with a per-tensor or per-row scale and multiplies them on
+the float8 tensor cores; everything else runs under bf16 autocast. Weights stay in their own
+dtype, so checkpoints are plain tensors, as for every other precision. This module is the only
+place in mixprec that knows about float8 (conf/precision/fp8.yaml names it as its plugin)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
+from omegaconf import MISSING
 from torch import nn
 
-from .errors import ConfigError
+from .errors import ConfigError, check, one_of
+from .precision import Precision, PrecisionConfig
 
 log = logging.getLogger(__name__)
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores
+
+
+@dataclass
+class Config(PrecisionConfig):
+    """conf/precision/fp8.yaml (fp8_rowwise extends it)"""
+
+    fp8_recipe: str = MISSING  # torchao's scaling: tensorwise, rowwise, rowwise_with_gw_hp
+    fp8_head: bool = MISSING  # convert the classifier head too
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        one_of("precision.fp8_recipe", self.fp8_recipe, RECIPES)
+        check(self.autocast == "bfloat16", "precision.autocast", self.autocast,
+              "bfloat16 with precision.fp8_recipe (what float8 does not take runs in bf16)")
 
 
 def eligible(module: nn.Module, name: str, head: str | None, convert_head: bool) -> bool:
@@ -27,63 +45,6 @@ def eligible(module: nn.Module, name: str, head: str | None, convert_head: bool)
     return convert_head or not head or not (name == head or name.startswith(head + "."))
 
 
-def check_device(device: torch.device) -> None:
-    """A GPU with float8 tensor cores, and torchao installed; else a config error."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
-        what = (f"{torch.cuda.get_device_name(device)} (compute capability "
-                f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
-                if device.type == "cuda" else "the CPU")
-        raise ConfigError(f"precision=fp8 needs a GPU with float8 tensor cores (compute "
-                          f"capability >= 8.9: Ada, Hopper or newer); this run is on {what}. "
-                          "Use precision=bf16 here")
-    try:
-        import torchao.float8  # noqa: F401
-    except ImportError:
-        raise ConfigError("precision=fp8 needs torchao: pip install -e '.[fp8]' (make installs "
-                          "it)") from None
-
-
-class KeepLinears:
-    """Every precision but fp8: the model as built."""
-
-    converted: tuple = ()
-
-    def prepare(self, model: nn.Module) -> nn.Module:
-        return model
-
-
-class Float8Training:
-    """Converts the eligible Linear layers of a model to float8 training (torchao)."""
-
-    def __init__(self, recipe: str, convert_head: bool) -> None:
-        self.recipe, self.convert_head = recipe, convert_head
-        self.converted: list[str] = []
-
-    def prepare(self, model: nn.Module) -> nn.Module:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        head = getattr(model, "pretrained_cfg", {}).get("classifier")
-        linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-        self.converted = []
-
-        def keep(module: nn.Module, name: str) -> bool:
-            ok = eligible(module, name, head, self.convert_head)
-            if ok:
-                self.converted.append(name)
-            return ok
-
-        model = convert_to_float8_training(
-            model, module_filter_fn=keep, config=Float8LinearConfig.from_recipe_name(self.recipe))
-        skipped = sorted(set(linears) - set(self.converted))
-        log.info("precision=fp8 (%s scaling): %d of %d Linear layers compute in float8; kept in "
-                 "bf16: %s", self.recipe, len(self.converted), len(linears),
-                 ", ".join(skipped[:6]) + (" ..." if len(skipped) > 6 else "") or "none")
-        if not self.converted:
-            log.warning("precision=fp8: this model has no Linear layer that float8 can take "
-                        "(multiples of 16, the head excluded): it trains in plain bf16")
-        return model
-
-
 def blended_peak(bf16_peak: float | None, fp8_peak: float | None, fp8_share: float) -> float | None:
     """The dense peak a run with `fp8_share` of its FLOPs in float8 and the rest in bf16 could
     reach: each FLOP takes 1/peak of its kind, so the peak is the FLOP-weighted harmonic mean."""
@@ -92,3 +53,79 @@ def blended_peak(bf16_peak: float | None, fp8_peak: float | None, fp8_share: flo
     if not bf16_peak or not fp8_peak:
         return None  # no honest MFU without both peaks
     return 1.0 / (fp8_share / fp8_peak + (1.0 - fp8_share) / bf16_peak)
+
+
+@dataclass
+class Plugin(Precision):
+    """bf16 autocast, with the eligible Linear layers converted to float8 training."""
+
+    converted: list[str] = field(default_factory=list)  # names of the Float8Linear layers
+
+    def check_device(self, device: torch.device) -> None:
+        """A GPU with float8 tensor cores, and torchao installed; else a config error."""
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
+            what = (f"{torch.cuda.get_device_name(device)} (compute capability "
+                    f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
+                    if device.type == "cuda" else "the CPU")
+            raise ConfigError(f"precision={self.name} needs a GPU with float8 tensor cores "
+                              f"(compute capability >= 8.9: Ada, Hopper or newer); this run is "
+                              f"on {what}. Use precision=bf16 here")
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"precision={self.name} needs torchao: pip install -e '.[fp8]' "
+                              "(make installs it)") from None
+        super().check_device(device)
+
+    def convert(self, model: nn.Module) -> nn.Module:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        head = getattr(model, "pretrained_cfg", {}).get("classifier")
+        linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        self.converted = []
+
+        def keep(module: nn.Module, name: str) -> bool:
+            ok = eligible(module, name, head, self.cfg.fp8_head)
+            if ok:
+                self.converted.append(name)
+            return ok
+
+        model = convert_to_float8_training(
+            model, module_filter_fn=keep,
+            config=Float8LinearConfig.from_recipe_name(self.cfg.fp8_recipe))
+        skipped = sorted(set(linears) - set(self.converted))
+        log.info("precision=%s (%s scaling): %d of %d Linear layers compute in float8; kept in "
+                 "bf16: %s", self.name, self.cfg.fp8_recipe, len(self.converted), len(linears),
+                 ", ".join(skipped[:6]) + (" ..." if len(skipped) > 6 else "") or "none")
+        return model
+
+    def owned(self) -> dict[str, str]:
+        return {name: "float8" for name in self.converted}
+
+    def peak_tflops(self, peaks: dict, owned_share: float) -> float | None:
+        if owned_share:
+            log.info("precision=%s: %.1f%% of the training FLOPs run in float8; MFU counts them "
+                     "against the float8 peak", self.name, 100 * owned_share)
+        return blended_peak(peaks.get("bf16"), peaks.get("fp8"), owned_share)
+
+    def columns(self) -> dict:
+        return {**super().columns(), "fp8_recipe": self.cfg.fp8_recipe,
+                "fp8_head": self.cfg.fp8_head, "fp8_layers": len(self.converted)}
+
+    def advice(self, compiled: bool) -> list[str]:
+        out = super().advice(compiled)
+        if not self.converted:
+            out.append(f"precision={self.name}: this model has no Linear layer that float8 can "
+                       "take (multiples of 16, the head excluded): it trains in plain bf16")
+        elif not compiled:
+            out.append(f"precision={self.name} without model.compile=true: torchao's float8 "
+                       "casts then run as separate eager kernels, usually slower than bf16; add "
+                       "model.compile=true")
+        return out
+
+    def on_divergence(self) -> str:
+        return (f"precision=bf16 (the same run without float8: is float8 the cause?), "
+                f"precision.fp8_recipe=rowwise (finer scales), or {super().on_divergence()}")
+
+    def describe(self) -> str:
+        return f"{super().describe()}, float8 Linear layers ({self.cfg.fp8_recipe} scaling)"

@@ -22,7 +22,7 @@ from .errors import ConfigError, check, one_of
 
 log = logging.getLogger(__name__)
 GIB = 1024**3
-PEAK_KEYS = ("fp32", "tf32", "fp16", "bf16", "fp8")
+PEAK_KEYS = ("fp32", "tf32", "fp16", "bf16", "fp8")  # the shipped precisions' (a plugin may add one)
 
 
 @dataclass
@@ -43,8 +43,9 @@ class HardwareConfig:
         one_of("hardware.device", self.device, ("auto", "cpu", "cuda"))
         check(self.memory_gib is None or self.memory_gib > 0, "hardware.memory_gib",
               self.memory_gib, "null or > 0")
-        bad = sorted(set(self.peak_tflops) - set(PEAK_KEYS))
-        check(not bad, "hardware.peak_tflops", bad, "keyed by " + ", ".join(PEAK_KEYS))
+        bad = sorted(k for k, v in self.peak_tflops.items() if not (k.isidentifier() and v > 0))
+        check(not bad, "hardware.peak_tflops", bad, "keyed by the peak keys precisions use "
+              f"({', '.join(PEAK_KEYS)}, or a plugin's own), each > 0")
         check(self.num_workers >= 0, "hardware.num_workers", self.num_workers, ">= 0")
 
 
@@ -112,16 +113,11 @@ def _auto(profiles: Profiles) -> HardwareConfig:
 
 
 def setup(hw: HardwareConfig, local_rank: int = 0) -> torch.device:
-    """Apply the profile to this process; returns the device to train on."""
+    """The device to train on (the process settings are process.apply's)."""
     device = torch.device(hw.device)
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = hw.cudnn_benchmark
-        log.info("cudnn.benchmark=%s (%s)", hw.cudnn_benchmark, "cuDNN times its algorithms "
-                 "for each new shape" if hw.cudnn_benchmark else "cuDNN's heuristics")
-        if hw.memory_gib is not None:
-            cap_memory(hw.memory_gib, hw.name)
     return device
 
 
@@ -139,16 +135,6 @@ def cudnn_benchmark(enabled: bool):
         yield
     finally:
         torch.backends.cudnn.benchmark = before
-
-
-def cap_memory(memory_gib: float, profile: str) -> None:
-    """Emulate a smaller card: this process may use at most memory_gib of the GPU."""
-    total = torch.cuda.get_device_properties(0).total_memory / GIB
-    if memory_gib > total * 1.02:  # datasheet GB vs GiB rounding
-        raise ConfigError(f"hardware={profile} wants {memory_gib:g} GiB but this GPU "
-                          f"({torch.cuda.get_device_name()}) has {total:.1f} GiB; "
-                          "lower hardware.memory_gib or pick a smaller profile")
-    torch.cuda.set_per_process_memory_fraction(min(1.0, memory_gib / total))
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:

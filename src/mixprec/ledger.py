@@ -34,6 +34,7 @@ class Hooks:
     stop: StopSignals = field(default_factory=StopSignals)
     dist: Dist = field(default_factory=Dist)  # no_sync, reduce and the world size
     progress: bool = False  # a progress bar on the terminal
+    grad_histograms: bool = False  # histograms of the true gradients on logged steps (diagnose)
 
 
 class StepLedger:
@@ -184,6 +185,9 @@ class StepLedger:
                "amp/skipped_steps": state.skipped_steps, "perf/samples_per_s": sps,
                "perf/step_ms": step_ms, "perf/mfu": hooks.meter.mfu(sps), **hooks.memory()}
         hooks.tracker.log(row, state.step)
+        if out.grads is not None:  # a step that ran, at its real number
+            hooks.tracker.histograms({"grad/all": out.grads.cpu(),
+                                      "grad/abs_max": float(out.grads.abs().max())}, state.step)
         self.bar.set_postfix(loss=f"{loss:.4f}", sps=f"{sps:.0f}")
         log.info(self._line(row))
         self.window_loss = torch.zeros((), device=hooks.meter.device)
@@ -200,10 +204,9 @@ class StepLedger:
 
     def log_evaluation(self) -> None:
         st = self.state
-        self.hooks.tracker.log({"epoch": st.epoch, "val/loss": st.val_loss,
-                                "val/acc1": st.val_acc1}, st.step)
-        log.info("epoch %d step %d: val/loss %.4f val/acc1 %.4f", st.epoch, st.step,
-                 st.val_loss, st.val_acc1)
+        self.hooks.tracker.log({"epoch": st.epoch, **st.val}, st.step)
+        log.info("epoch %d step %d: %s", st.epoch, st.step,
+                 " ".join(f"{k} {v:.4f}" for k, v in st.val.items()))
 
     def finish(self) -> None:
         self.bar.close()

@@ -17,8 +17,10 @@ from torch import nn
 from torch.nn.utils import clip_grad_norm_, get_total_norm
 from torch.optim.lr_scheduler import LRScheduler
 
+from . import metrics
 from .ledger import Hooks, StepLedger
-from .precision import BatchNormGuard, Precision, StepWatch
+from .precision import Precision
+from .step_guards import BatchNormGuard, StepWatch
 
 
 @dataclass
@@ -57,10 +59,21 @@ class TrainState:
     batch_in_epoch: int = 0  # micro-batches consumed this epoch: where a resume picks up
     skipped_steps: int = 0
     attempts: int = 0  # optimizer steps attempted, skipped ones included
-    val_loss: float | None = None
-    val_acc1: float | None = None
+    val: dict = field(default_factory=dict)  # the last evaluation: {"val/loss": ..., "val/acc1": ...}
     last_loss: float | None = None
     layout: dict = field(default_factory=dict)  # batch, accum, world: what the counts are in
+
+
+    @classmethod
+    def restored(cls, saved: dict, layout: dict) -> "TrainState":
+        """The state a checkpoint saved (older checkpoints kept val_loss/val_acc1 as fields)."""
+        saved = dict(saved)
+        val = saved.pop("val", None) or {}
+        for old in ("val_loss", "val_acc1"):
+            value = saved.pop(old, None)
+            if value is not None:
+                val[old.replace("_", "/", 1)] = value
+        return cls(**{**saved, "val": val, "layout": layout})
 
 
 @dataclass
@@ -68,6 +81,7 @@ class StepResult:
     loss: torch.Tensor  # mean loss over the micro-batches (device tensor: no sync)
     grad_norm: torch.Tensor | None  # norm of the true (unscaled) gradients, when computed
     ran: Callable[[], bool]  # asks the GPU whether the step was taken (StepWatch.pop)
+    grads: torch.Tensor | None = None  # all true gradients, flattened (diagnose=true, logged steps)
 
     @property
     def stepped(self) -> bool:  # False when GradScaler found inf/nan gradients and skipped it
@@ -76,7 +90,8 @@ class StepResult:
 
 def train_step(learner: Learner, micro_batches: list, clip_grad_norm: float | None = None,
                want_grad_norm: bool = False, no_sync: Callable = lambda model: nullcontext(),
-               before_step: Callable[[], None] = lambda: None) -> StepResult:
+               before_step: Callable[[], None] = lambda: None,
+               want_grads: bool = False) -> StepResult:
     """One optimizer step over `accum` micro-batches, in any precision."""
     model, optimizer, prec = learner.model, learner.optimizer, learner.precision
     accum, total = len(micro_batches), 0.0
@@ -91,34 +106,37 @@ def train_step(learner: Learner, micro_batches: list, clip_grad_norm: float | No
         total = total + loss.detach()
     before_step()  # the ledger settles the previous step here, while the GPU runs this backward
     prec.scaler.unscale_(optimizer)  # true gradients from here on: once per optimizer step
-    grad_norm = None
+    grad_norm = grads = None
     if clip_grad_norm is not None or want_grad_norm:  # clip the true gradients / measure them
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         grad_norm = (clip_grad_norm_(params, clip_grad_norm) if clip_grad_norm is not None
                      else get_total_norm([p.grad for p in params]))
+        if want_grads:  # the true gradients, for histograms (diagnose=true)
+            grads = torch.cat([p.grad.detach().float().flatten() for p in params])
     prec.scaler.step(optimizer)  # skipped if any gradient is inf/nan
     prec.scaler.update()  # halve the scale on overflow, grow it after growth_interval clean steps
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(total, grad_norm, learner.watch.pop())
+    return StepResult(total, grad_norm, learner.watch.pop(), grads)
 
 
 @torch.no_grad()
 def evaluate(learner: Learner, batches: Iterable,
-             reduce: Callable = lambda t, op="sum": t) -> tuple[float, float]:
-    """(mean loss, top-1 accuracy) over the whole validation set (summed over ranks)."""
-    model = learner.model
+             reduce: Callable = lambda t, op="sum": t) -> dict[str, float]:
+    """{"val/loss": mean loss, "val/acc1": top-1, ...}: the learner's loss and every validation
+    metric of the registry (metrics.py), over the whole validation set (summed over ranks)."""
+    model, extra = learner.model, metrics.evaluated()
     model.eval()
     sums = None
     for x, y in batches:
         with learner.precision.autocast():
             logits = model(x)
-        loss = learner.loss_fn(logits.float(), y, reduction="sum")
-        batch_sums = torch.stack([loss, (logits.argmax(1) == y).sum().float(),
-                                  torch.tensor(float(len(y)), device=y.device)])
-        sums = batch_sums if sums is None else sums + batch_sums
+        batch = [learner.loss_fn(logits.float(), y, reduction="sum"),
+                 *(m.batch_sum(logits, y) for m in extra),
+                 torch.tensor(float(len(y)), device=y.device)]
+        sums = torch.stack(batch) if sums is None else sums + torch.stack(batch)
     model.train()
-    loss_sum, correct, n = reduce(sums).tolist()
-    return loss_sum / n, correct / n
+    *totals, n = reduce(sums).tolist()
+    return {key: total / n for key, total in zip(["val/loss", *(m.key for m in extra)], totals)}
 
 
 def train(learner: Learner, data, state: TrainState, plan: Plan, hooks: Hooks) -> TrainState:
@@ -127,13 +145,13 @@ def train(learner: Learner, data, state: TrainState, plan: Plan, hooks: Hooks) -
     ledger = StepLedger(learner, state, plan, hooks)
     for epoch in range(state.epoch, plan.epochs):
         for micro_batches in ledger.batches(data.train, epoch):
-            out = train_step(learner, micro_batches, plan.clip_grad_norm,
-                             ledger.wants_grad_norm(), hooks.dist.no_sync,
-                             before_step=ledger.settle_late)
+            logged = ledger.wants_grad_norm()
+            out = train_step(learner, micro_batches, plan.clip_grad_norm, logged,
+                             hooks.dist.no_sync, ledger.settle_late, logged and hooks.grad_histograms)
             ledger.record(out)
         ledger.settle_pending()
         with hooks.meter.paused():
-            state.val_loss, state.val_acc1 = evaluate(learner, data.val, hooks.dist.reduce)
+            state.val = evaluate(learner, data.val, hooks.dist.reduce)
         ledger.log_evaluation()
         if ledger.done():
             break

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+BLOCK_RECOMPILE_LIMIT = 64  # compile_scope=blocks: one graph per distinct block shape (ResNet-50: 8)
 
 
 @dataclass
@@ -112,9 +113,10 @@ def check_name(name: str) -> None:
 
 
 def build(mcfg: ModelConfig, num_classes: int, input_shape: tuple[int, int, int],
-          device: torch.device, prepare=lambda model: model) -> nn.Module:
-    """The model on its device, in its memory format, materialised, `prepare`d (precision=fp8
-    converts its Linear layers) and compiled if asked."""
+          device: torch.device) -> nn.Module:
+    """The model on its device, in its memory format, materialised, with activation
+    checkpointing and the Triton max-pool if asked: everything before the precision converts it
+    (build.assemble holds the order: model, precision, parallel wrap, compile, optimizer)."""
     try:
         model = timm.create_model(mcfg.name, pretrained=False, num_classes=num_classes,
                                   in_chans=input_shape[0], **mcfg.kwargs)
@@ -128,26 +130,46 @@ def build(mcfg: ModelConfig, num_classes: int, input_shape: tuple[int, int, int]
     if mcfg.channels_last:
         model.to(memory_format=torch.channels_last)
         log.info("model.channels_last: weights (and every input batch) in NHWC")
-    model = prepare(model)
     if mcfg.triton_max_pool:
         log.info("model.triton_max_pool: %d nn.MaxPool2d run mixprec::max_pool2d (Triton "
                  "kernels for channels-last CUDA tensors)", use_triton_max_pool(model))
-    if mcfg.compile:
-        t0 = time.perf_counter()
-        if mcfg.compile_scope == "blocks":
-            blocks = compile_blocks(model, mcfg.name, mcfg.compile_mode,
-                                    dict(mcfg.compile_options))
-            what = f"{len(blocks)} repeated blocks ({type(blocks[0]).__name__}) one by one"
-        else:
-            model = compile_model(model, mcfg.compile_mode, dict(mcfg.compile_options))
-            what = "the model"
-        log.info("model.compile: torch.compile(mode=%s, options=%s) wraps %s in %.1fs; the first "
-                 "steps compile (excluded from samples_per_s by trainer.perf_warmup_steps)",
-                 mcfg.compile_mode, dict(mcfg.compile_options), what, time.perf_counter() - t0)
-    elif mcfg.compile_options:  # e.g. experiment=fast model.compile=false: the eager baseline
-        log.info("model.compile=false: model.compile_options %s unused",
-                 dict(mcfg.compile_options))
     return model
+
+
+def compiled(model: nn.Module, mcfg: ModelConfig) -> nn.Module:
+    """torch.compile as configured, over the (possibly wrapped) model: the whole of it, or each
+    repeated block in place (compile_scope=blocks). Returns the model to train."""
+    if not mcfg.compile:
+        if mcfg.compile_options:  # e.g. experiment=fast model.compile=false: the eager baseline
+            log.info("model.compile=false: model.compile_options %s unused",
+                     dict(mcfg.compile_options))
+        return model
+    t0 = time.perf_counter()
+    if mcfg.compile_scope == "blocks":
+        blocks = compile_blocks(unwrap(model), mcfg.name, mcfg.compile_mode, dict(mcfg.compile_options))
+        what = f"{len(blocks)} repeated blocks ({type(blocks[0]).__name__}) one by one"
+    else:
+        model = compile_model(model, mcfg.compile_mode, dict(mcfg.compile_options))
+        what = "the model"
+    log.info("model.compile: torch.compile(mode=%s, options=%s) wraps %s in %.1fs; the first "
+             "steps compile (excluded from samples_per_s by trainer.perf_warmup_steps)",
+             mcfg.compile_mode, dict(mcfg.compile_options), what, time.perf_counter() - t0)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under every wrapper (torch.compile's OptimizedModule, DDP), however
+    they nest: the one module whose state_dict keys carry no `_orig_mod.` or `module.`."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if isinstance(model, OptimizedModule):
+            model = model._orig_mod
+        elif isinstance(model, DistributedDataParallel):
+            model = model.module
+        else:
+            return model
 
 
 def _materialise(model: nn.Module, name: str, input_shape, device: torch.device) -> None:
@@ -202,15 +224,13 @@ def compile_blocks(model: nn.Module, name: str, mode: str | None, options: dict)
     """model.compile_scope=blocks (regional compilation): each repeated block is compiled in
     place (nn.Module.compile: the state_dict keeps its names) with static shapes; identical
     blocks share one compiled graph, so a 24-block ViT compiles one block instead of 24. The
-    rest of the model (stem, head) runs eagerly."""
+    rest of the model (stem, head) runs eagerly. Each distinct block shape is one recompile:
+    process.apply raises dynamo's limit to BLOCK_RECOMPILE_LIMIT for this scope."""
     blocks = repeated_blocks(model)
     if not blocks:
         raise ConfigError(f"model.compile_scope=blocks: model.name={name!r} has no repeated "
                           "blocks (a Sequential or ModuleList of one block class); use "
                           "model.compile_scope=model")
-    limits = torch._dynamo.config  # one recompile per distinct block shape (ResNet-50: 8)
-    key = "recompile_limit" if hasattr(limits, "recompile_limit") else "cache_size_limit"
-    setattr(limits, key, max(getattr(limits, key), len(blocks)))
     kwargs = compile_kwargs(mode, options)
     for block in blocks:
         block.compile(dynamic=False, **kwargs)
@@ -220,11 +240,13 @@ def compile_blocks(model: nn.Module, name: str, mode: str | None, options: dict)
 def capture_graphs(model: nn.Module, example: torch.Tensor, prec) -> nn.Module:
     """model.cuda_graphs: forward and backward captured once as CUDA graphs
     (torch.cuda.make_graphed_callables) and replayed every training step, so the CPU launches
-    one graph instead of hundreds of kernels. Evaluation (model.eval()) runs the eager forward."""
+    one graph instead of hundreds of kernels. Evaluation (model.eval()) runs the eager forward.
+    `prec` must be built with cache=False (torch: no autocast cast cache around graphs)."""
     if example.device.type != "cuda":
         raise ConfigError("model.cuda_graphs=true captures CUDA graphs and needs a GPU; set it "
                           "false on the CPU")
-    prec.cache = False  # torch: autocast's cast cache must be off around graphed callables
+    if prec.cache:
+        raise ValueError("capture_graphs needs a precision built with cache=False")
     t0 = time.perf_counter()
     with prec.autocast():
         graphed = torch.cuda.make_graphed_callables(model, (example,))

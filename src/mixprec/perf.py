@@ -79,8 +79,8 @@ class Throughput:
 
 
 def train_flops(model: torch.nn.Module, input_shape, num_classes: int, device: torch.device,
-                autocast, batch: int = 16) -> tuple[int, int]:
-    """(all, in float8 layers) forward + backward FLOPs of one sample, counted once by torch.utils.flop_counter on a copy
+                autocast, owned: set[str] = frozenset(), batch: int = 16) -> tuple[int, int]:
+    """(all, in the `owned` modules) forward + backward FLOPs of one sample, counted once by torch.utils.flop_counter on a copy
     of the real model (so BatchNorm statistics and gradients of the run are untouched).
     A torch.compile'd model is counted on its eager module: a compiled forward first called under
     FlopCounterMode is not compiled for the real batch afterwards (benchmarks/RESULTS.md). A batch
@@ -89,19 +89,21 @@ def train_flops(model: torch.nn.Module, input_shape, num_classes: int, device: t
 
     from torch.utils.flop_counter import FlopCounterMode
 
-    twin = copy.deepcopy(getattr(model, "_orig_mod", model)).train()
+    from .models import unwrap
+
+    plain = unwrap(model)
+    twin = copy.deepcopy(plain).train()
     x = torch.randn(batch, *input_shape, device=device)
     y = torch.randint(0, num_classes, (batch,), device=device)
-    float8 = {name for name, m in twin.named_modules() if type(m).__name__ == "Float8Linear"}
     with FlopCounterMode(display=False) as counter:
         with autocast():
             loss = torch.nn.functional.cross_entropy(twin(x).float(), y)
         loss.backward()
     del twin
-    prefix = len(type(getattr(model, "_orig_mod", model)).__name__) + 1  # counter keys: Class.name
-    in_float8 = sum(sum(ops.values()) for key, ops in counter.get_flop_counts().items()
-                    if key[prefix:] in float8)
-    return counter.get_total_flops() // batch, in_float8 // batch
+    prefix = len(type(plain).__name__) + 1  # counter keys: Class.name
+    in_owned = sum(sum(ops.values()) for key, ops in counter.get_flop_counts().items()
+                   if key[prefix:] in owned)
+    return counter.get_total_flops() // batch, in_owned // batch
 
 
 def mfu(flops_per_sample: int | None, samples_per_s: float | None, peak_tflops: float | None,

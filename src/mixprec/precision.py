@@ -1,45 +1,62 @@
-"""THE place that knows fp32 / tf32 / fp16 / bf16: autocast, TF32 switches and the GradScaler.
+"""Precisions are plugins; this module is the interface and the plain one.
+
+`conf/precision/<name>.yaml` names its `plugin`: a module with a `Config` (this module's
+PrecisionConfig plus the plugin's own keys) and a `Plugin` (a subclass of Precision). fp32, tf32,
+amp, amp_accum and bf16 are this module's own plugin: autocast (or not), TF32 (or not) and a
+GradScaler. precision=fp8 is mixprec.fp8, which converts Linear layers with torchao; nothing else
+in mixprec names it. A new precision (mxfp8, another torchao recipe) is one module and one YAML.
+
+What a precision decides, and where the run asks it (the plugin interface):
+- check_device(device): refuse a device it cannot run on, before any work (ConfigError);
+- convert(model): change the model before training (before the parallel wrap and compile);
+- autocast() and scaler: the forward's dtype and the loss scaling, used by loop.train_step;
+- owned(): the modules it converted, with the dtype they compute in (MFU, the dtype audit);
+- peak_tflops(peaks, owned_share): the dense peak its FLOPs can reach (MFU);
+- columns(): what the W&B config shows of it; memory_key(): what changes memory (batch=auto);
+- advice(compiled) (warnings at start), on_divergence() (what to try when a run diverges).
 
 Everything that is off is still an object (autocast with enabled=False, GradScaler with
 enabled=False), so the training step never branches on precision.
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import logging
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Callable, Optional
 
 import torch
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 from torch.amp import GradScaler
 
-from . import fp8
-from .errors import ConfigError, check, one_of
+from .errors import ConfigError, check, nearest
 
 log = logging.getLogger(__name__)
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
 class PrecisionConfig:
-    """conf/precision/*.yaml"""
+    """conf/precision/*.yaml: the keys every precision has (a plugin's Config adds its own)"""
 
-    name: str = MISSING  # the group option that chose this (fp32, tf32, amp, amp_accum, bf16)
+    name: str = MISSING  # the group option that chose this (fp32, tf32, amp, amp_accum, bf16, ...)
+    plugin: str = MISSING  # the module that implements it (mixprec.precision, mixprec.fp8, yours)
     autocast: Optional[str] = MISSING  # autocast dtype: null (off), float16 or bfloat16
     tf32: bool = MISSING  # TF32 tensor cores for fp32 matmuls/convs (Ampere and later)
     accum: int = MISSING  # default micro-batches per optimizer step (the top-level `accum` reads it)
-    fp8_recipe: Optional[str] = None  # fp8 only: torchao's scaling (tensorwise, rowwise, ...)
-    fp8_head: Optional[bool] = None  # fp8 only: convert the classifier head too
 
     def __post_init__(self) -> None:
         check(self.autocast in (None, *_DTYPES), "precision.autocast", self.autocast,
               "null, float16 or bfloat16")
         check(self.accum >= 1, "precision.accum", self.accum, "an int >= 1")
-        if self.fp8_recipe is not None:
-            one_of("precision.fp8_recipe", self.fp8_recipe, fp8.RECIPES)
-            check(self.autocast == "bfloat16", "precision.autocast", self.autocast,
-                  "bfloat16 with precision.fp8_recipe (what float8 does not take runs in bf16)")
+
+
+Config = PrecisionConfig  # this module is itself the plugin of fp32, tf32, amp, bf16
 
 
 @dataclass
@@ -63,9 +80,6 @@ class ScalerConfig:
         check(self.growth_interval >= 1, "scaler.growth_interval", self.growth_interval, ">= 1")
 
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
 class StaticGradScaler(GradScaler):
     """A fixed loss scale: overflowing steps are still skipped, but the scale never moves."""
 
@@ -75,14 +89,39 @@ class StaticGradScaler(GradScaler):
 
 @dataclass
 class Precision:
-    name: str
+    """The plugin interface, and the plain precision: autocast, TF32 and a GradScaler."""
+
+    cfg: PrecisionConfig
     device_type: str
-    dtype: torch.dtype | None  # autocast dtype; None = autocast off
-    tf32: bool
     scaler: GradScaler  # enabled only for float16 autocast with a scaler configured
     guard_bn_stats: bool  # with an active scaler: BatchNormGuard puts overflowed stats back
-    linears: fp8.KeepLinears | fp8.Float8Training = field(default_factory=fp8.KeepLinears)
     cache: bool = True  # autocast's weight-cast cache (off under CUDA graphs, as torch requires)
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The autocast dtype; None = autocast off."""
+        return _DTYPES.get(self.cfg.autocast) if self.cfg.autocast else None
+
+    @property
+    def tf32(self) -> bool:
+        return self.cfg.tf32
+
+    def check_device(self, device: torch.device) -> None:
+        if self.dtype is torch.bfloat16 and device.type == "cuda" and \
+                not torch.cuda.is_bf16_supported():
+            raise ConfigError(f"precision={self.name}: {torch.cuda.get_device_name(device)} has "
+                              "no bfloat16 support; use one of fp32, tf32, amp, amp_accum")
+
+    def convert(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def owned(self) -> dict[str, str]:
+        """{module name: the dtype it computes in} for the modules convert() changed."""
+        return {}
 
     def autocast(self) -> AbstractContextManager:
         dtype = self.dtype or torch.get_autocast_dtype(self.device_type)
@@ -96,6 +135,36 @@ class Precision:
             return "fp16" if self.dtype == torch.float16 else "bf16"
         return "tf32" if self.tf32 else "fp32"
 
+    def peak_tflops(self, peaks: dict, owned_share: float) -> float | None:
+        """The dense peak this run's FLOPs could reach (`owned_share` of them in owned())."""
+        return peaks.get(self.peak_key)
+
+    def columns(self) -> dict:
+        """The W&B config's precision columns (the scaler's are its config group's)."""
+        return {"precision": self.name, "autocast": self.cfg.autocast or "off", "tf32": self.tf32}
+
+    def memory_key(self) -> dict:
+        """Everything about the precision that changes training memory (batch=auto's cache)."""
+        cfg = {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in ("name", "accum")}
+        return {**cfg, "scaler": self.scaling}
+
+    def advice(self, compiled: bool) -> list[str]:
+        """Warnings before training."""
+        if self.device_type == "cpu" and self.dtype is torch.float16:
+            return [f"precision={self.name} on the CPU: float16 autocast is emulated there, "
+                    "several times slower than fp32 (measured on a 2-core CPU: "
+                    "benchmarks/RESULTS.md); it shows the recipe works, not what it buys on a GPU"]
+        return []
+
+    def on_divergence(self) -> str:
+        """What to try when a run of this precision diverges."""
+        if self.scaling:
+            return ("a lower optimizer.lr, trainer.clip_grad_norm=1.0, scaler=conservative "
+                    "(init_scale 4096), or precision=bf16 (fp32's range)")
+        if self.dtype is torch.float16:
+            return "scaler=dynamic (fp16 without loss scaling overflows), or precision=bf16"
+        return "a lower optimizer.lr or trainer.clip_grad_norm=1.0"
+
     def loss_scale(self) -> float:
         """The current loss scale (1.0 when scaling is off). Reading it syncs the GPU."""
         return float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
@@ -106,7 +175,7 @@ class Precision:
         return self.scaler.is_enabled()
 
     def describe(self) -> str:
-        cast = f"autocast {str(self.dtype).replace('torch.', '')}" if self.dtype else "autocast off"
+        cast = f"autocast {self.cfg.autocast}" if self.dtype else "autocast off"
         s = self.scaler
         scale = (f"GradScaler init_scale={s._init_scale:g} growth={s._growth_factor:g} "
                  f"backoff={s._backoff_factor:g} interval={s._growth_interval}"
@@ -115,101 +184,61 @@ class Precision:
         return f"precision={self.name}: {cast}, {scale}, TF32 {'on' if self.tf32 else 'off'}"
 
 
-def set_tf32(enabled: bool) -> None:
-    """TF32 for fp32 matmuls and convolutions; explicit both ways (cuDNN defaults to on)."""
-    mode = "tf32" if enabled else "ieee"
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9: the new API only
-        torch.backends.cuda.matmul.fp32_precision = mode
-        torch.backends.cudnn.conv.fp32_precision = mode
-        torch.backends.cudnn.rnn.fp32_precision = mode
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = enabled
-        torch.backends.cudnn.allow_tf32 = enabled
+Plugin = Precision
 
 
-def build(pcfg: PrecisionConfig, scfg: ScalerConfig, device: torch.device) -> Precision:
-    dtype = _DTYPES.get(pcfg.autocast) if pcfg.autocast else None
-    if dtype is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"precision={pcfg.name}: {torch.cuda.get_device_name(device)} has no "
-                          "bfloat16 support; use one of fp32, tf32, amp, amp_accum")
-    use_scaler = dtype is torch.float16 and scfg.enabled
-    if dtype is torch.float16 and not scfg.enabled:
+def plugin_module(path: str) -> ModuleType:
+    """The module that implements a precision (`precision.plugin`), checked."""
+    try:
+        module = importlib.import_module(path)
+    except ImportError as e:
+        raise ConfigError(f"precision.plugin={path!r} cannot be imported ({e}); it must be a "
+                          "module with a Config and a Plugin, e.g. mixprec.precision or "
+                          "mixprec.fp8") from None
+    if not (hasattr(module, "Config") and hasattr(module, "Plugin")):
+        raise ConfigError(f"precision.plugin={path!r} is not a precision plugin: it must define "
+                          "Config (a PrecisionConfig) and Plugin (a Precision)")
+    return module
+
+
+def parse(node: dict) -> PrecisionConfig:
+    """The plugin's own Config from the composed `precision` node: unknown keys and bad values
+    are ConfigErrors naming the key."""
+    name, path = node.get("name"), node.get("plugin")
+    if not isinstance(path, str):
+        raise ConfigError(f"precision={name}: precision.plugin is missing; it names the module "
+                          "that implements the precision, e.g. mixprec.precision")
+    schema = plugin_module(path).Config
+    known = {f.name for f in dataclasses.fields(schema)}
+    for key in node:
+        if key not in known:
+            raise ConfigError(f"precision.{key} is not a key of precision={name}"
+                              f"{nearest(key, known)} (its keys: {', '.join(sorted(known))})")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
+    except OmegaConfBaseException as e:
+        cause = e.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise ConfigError(f"precision: {str(e).splitlines()[0]}") from None
+
+
+def build(pcfg: PrecisionConfig, scfg: ScalerConfig, device: torch.device, cache: bool = True,
+          check_device: bool = True) -> Precision:
+    """The precision `pcfg.plugin` implements, with its GradScaler; checked against the device
+    (tests build one without the check to look at a GPU-only conversion on the CPU)."""
+    fp16 = pcfg.autocast == "float16"
+    use_scaler = fp16 and scfg.enabled
+    if fp16 and not scfg.enabled:
         log.warning("precision=%s with scaler=off: fp16 gradients below 2^-24 flush to zero and "
                     "overflows are not skipped; use scaler=dynamic unless you mean it", pcfg.name)
     cls = StaticGradScaler if scfg.static else GradScaler
     scaler = cls(device.type, init_scale=scfg.init_scale, growth_factor=scfg.growth_factor,
                  backoff_factor=scfg.backoff_factor, growth_interval=scfg.growth_interval,
                  enabled=use_scaler)
-    set_tf32(pcfg.tf32)
-    linears = fp8.KeepLinears()
-    if pcfg.fp8_recipe is not None:
-        fp8.check_device(device)
-        linears = fp8.Float8Training(pcfg.fp8_recipe, bool(pcfg.fp8_head))
-    return Precision(pcfg.name, device.type, dtype, pcfg.tf32, scaler,
-                     guard_bn_stats=use_scaler and scfg.guard_bn_stats, linears=linears)
-
-
-class StepWatch:
-    """Tells whether optimizer.step() really ran (GradScaler skips it on inf/nan gradients).
-
-    Uses the optimizer's public step hooks. For most optimizers GradScaler syncs once per step to
-    decide whether to call step() at all, so the post-step hook firing means it ran, at no extra
-    cost. Fused optimizers (`fused=True`, the default on CUDA) are different: GradScaler calls
-    their step() every time and hands them `found_inf`, and the kernel skips the update on the
-    GPU without a sync. For those the flag is copied to the host asynchronously behind an event:
-    pop() returns a callable that answers when asked, waiting only for that step's kernels (the
-    loop asks while the GPU already runs the next step's forward and backward).
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self._ran, self._found_inf = False, None
-        optimizer.register_step_pre_hook(self._pre)
-        optimizer.register_step_post_hook(self._hook)
-
-    def _pre(self, optimizer, *_args) -> None:
-        self._found_inf = getattr(optimizer, "found_inf", None)  # set by GradScaler.step
-
-    def _hook(self, *_args) -> None:
-        self._ran = True
-
-    def pop(self) -> Callable[[], bool]:
-        ran, found_inf = self._ran, self._found_inf
-        self._ran, self._found_inf = False, None
-        if not ran or found_inf is None:
-            return lambda: ran
-        if found_inf.device.type != "cuda":
-            return lambda: not bool(found_inf.item())
-        flag = found_inf.to("cpu", non_blocking=True)  # pinned: the copy queues behind the step
-        copied = torch.cuda.Event()
-        copied.record()
-        return lambda: not (copied.synchronize() or bool(flag.item()))
-
-
-class BatchNormGuard:
-    """Keeps an overflowing fp16 forward out of BatchNorm's running statistics.
-
-    BatchNorm updates its running mean and variance inside the forward pass, before GradScaler
-    can skip the step: one forward that overflows in fp16 turns them NaN for good. Training then
-    carries on (train mode normalises with the batch's own statistics), while every evaluation
-    and checkpoint after it is NaN. The guard snapshots them before each forward and puts them
-    back when that forward's loss is not finite, on the device with no host sync: one
-    concatenation before, and a concatenation, a `where` and one foreach copy after the backward.
-    Always an object: off (no work at all) without a GradScaler, with
-    `scaler.guard_bn_stats=false`, or without BatchNorm layers.
-    """
-
-    def __init__(self, model: nn.Module, enabled: bool) -> None:
-        self.stats = [t for m in model.modules()
-                      if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None
-                      for t in (m.running_mean, m.running_var)]
-        self.sizes = [t.numel() for t in self.stats]
-        self.enabled = enabled and bool(self.stats)
-
-    def snapshot(self) -> torch.Tensor | None:
-        return torch.cat(self.stats) if self.enabled else None
-
-    def keep_if_finite(self, loss: torch.Tensor, saved: torch.Tensor | None) -> None:
-        if saved is None:
-            return
-        kept = torch.where(torch.isfinite(loss.detach()), torch.cat(self.stats), saved)
-        torch._foreach_copy_(self.stats, list(kept.split(self.sizes)))
+    prec = plugin_module(pcfg.plugin).Plugin(pcfg, device.type, scaler,
+                                             guard_bn_stats=use_scaler and scfg.guard_bn_stats,
+                                             cache=cache)
+    if check_device:
+        prec.check_device(device)
+    return prec

@@ -18,13 +18,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .tracking import read_jsonl
+from . import metrics, summary
+from .sinks import wandb as wandb_sink
+from .sinks.local import read_jsonl
 
 log = logging.getLogger(__name__)
-
-COLUMNS = ["run", "status", "precision", "batch", "accum", "effective_batch", "samples_per_s",
-           "speedup_vs_fp32", "peak_mem_gib", "mem_saving_vs_fp32", "mfu", "skipped_steps",
-           "loss_scale", "train_loss", "val_acc1", "max_batch", "max_batch_vs_fp32", "error"]
+RATIOS = {"samples_per_s": "speedup_vs_fp32", "peak_mem_gib": "mem_saving_vs_fp32",
+          "max_batch": "max_batch_vs_fp32"}  # the column after which each ratio to fp32 stands
+COLUMNS = ["run", "status", "precision", "batch", "accum", "effective_batch",
+           *(c for m in metrics.report_columns() for c in (m, RATIOS.get(m)) if c), "error"]
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
@@ -57,14 +59,7 @@ def _labels(run_dirs: list[Path]) -> list[str]:
 
 
 def read_run(run: Path, label: str) -> dict[str, Any]:
-    summary_path = run / "summary.json"
-    try:
-        row = json.loads(summary_path.read_text())
-    except (OSError, ValueError):  # failed before training (a config error), or torn
-        import yaml
-        cfg = yaml.safe_load((run / ".hydra" / "config.yaml").read_text()) or {}
-        row = {"status": "failed", "precision": (cfg.get("precision") or {}).get("name"),
-               "batch": cfg.get("batch"), "error": "no summary.json (see the job's train.log)"}
+    row = summary.read(run)
     row["run"] = label
     row["dir"] = str(run)
     row["overrides"] = _overrides(run)
@@ -73,12 +68,7 @@ def read_run(run: Path, label: str) -> dict[str, Any]:
     return row
 
 
-def _num(v: Any) -> float | None:
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
+_num = summary.number
 
 
 def _baseline(r: dict, runs: list[dict]) -> dict | None:
@@ -216,34 +206,10 @@ def write(paths: list[Path], out_dir: Path | None = None, to_wandb: bool | None 
              *(draw(runs, out_dir) if plots else [])]
     print(console(table))
     print("wrote " + ", ".join(str(p) for p in files))
-    if to_wandb if to_wandb is not None else any((d / "wandb").is_dir() for d in run_dirs):
-        _to_wandb(table, files, out_dir, runs)
+    if to_wandb if to_wandb is not None else wandb_sink.logged(run_dirs):
+        wandb_sink.log_report(COLUMNS, table, [p for p in files if p.suffix == ".png"], out_dir,
+                              run_dirs)
     return {"table": table, "files": files}
-
-
-def _to_wandb(table: list[dict], files: list[Path], out_dir: Path, runs: list[dict]) -> None:
-    """One report run (job_type=report) in the W&B project, entity, mode and group of the jobs,
-    holding the table and the plots. Its id comes from the sweep dir, so a rebuilt report
-    updates that run instead of adding another."""
-    settings = next((json.loads((Path(r["dir"]) / "wandb.json").read_text()) for r in runs
-                     if (Path(r["dir"]) / "wandb.json").exists()), None)
-    if settings is None:  # no job reached W&B: nothing to group the report with
-        log.info("report: no job of %s logged to W&B; the report stays local", out_dir)
-        return
-    try:
-        import wandb
-        run_id = "report-" + hashlib.sha1(str(out_dir.resolve()).encode()).hexdigest()[:12]
-        run = wandb.init(project=settings["project"], entity=settings["entity"],
-                         group=settings["group"], mode=settings["mode"], job_type="report",
-                         dir=str(out_dir), id=run_id, resume="allow", name=f"report-{out_dir.name}",
-                         reinit="finish_previous",
-                         settings=wandb.Settings(init_timeout=settings["timeout_s"]))
-        run.log({"report": wandb.Table(columns=COLUMNS, data=[[row[c] for c in COLUMNS]
-                                                              for row in table]),
-                 **{p.stem: wandb.Image(str(p)) for p in files if p.suffix == ".png"}})
-        run.finish()
-    except Exception as e:  # the local report is what matters
-        log.warning("report: W&B logging failed (%s); local files are written", e)
 
 
 def main() -> None:

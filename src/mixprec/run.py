@@ -15,11 +15,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from . import (batch_size, build, checkpoint, describe, diagnose, distributed, hardware, loop,
-               perf, rundir)
+from . import (batch_size, build, checkpoint, describe, diagnose, distributed, hardware, launch,
+               loop, messages, perf, rundir, sinks, summary)
 from .config import validate
 from .errors import Diverged, MixprecError, OutOfMemory, Preempted
 from .ledger import Hooks, model_tensors
+from .models import unwrap
 from .safety import DivergenceGuard, StopSignals
 from .tracking import Tracker
 
@@ -35,8 +36,8 @@ def main(cfg: DictConfig) -> float | None:
     except MixprecError as e:
         log.error("%s: %s", e.label, e)
         # a stop signal ends an in-process sweep; a job in its own process (SLURM) just ends
-        if describe.multirun() and (describe.own_process() or not isinstance(e, Preempted)):
-            describe.record_failure(cfg, e)
+        if launch.multirun() and (launch.own_process() or not isinstance(e, Preempted)):
+            summary.record_refusal(cfg, e)
             return math.nan
         raise SystemExit(e.exit_code) from None
 
@@ -59,7 +60,7 @@ def run(cfg: DictConfig) -> dict:
                 return session.train()
             except MixprecError as e:  # e.g. a resume that failed: the summary must not say
                 if earlier and not (session and session.summary):  # `completed` any more
-                    describe.record_failure(cfg, e, replace=True)
+                    summary.record_refusal(cfg, e, replace=True)
                 raise
     finally:
         distributed.close()
@@ -84,9 +85,7 @@ class Session:
         blob = self._resume()
         if blob is not None and self.state.step >= p.plan.total_steps:
             return self._already_done()
-        self.tracker = Tracker(p.run_dir, describe.wandb_settings(p), describe.what_ran(p),
-                               run_id=describe.wandb_id(blob, self.found, p.run_dir),
-                               rank0=p.dist.main, resume_step=self.state.step if blob else None)
+        self.tracker = Tracker(self._sinks(blob) if p.dist.main else [])
         self.hooks = hooks = self._hooks()
         try:
             with hooks.stop, logging_redirect_tqdm() if hooks.progress else nullcontext():
@@ -96,7 +95,7 @@ class Session:
             self.status, self.error = "preempted", e
             raise
         except torch.OutOfMemoryError:  # not re-raised here: its traceback would pin the tensors
-            self.error = OutOfMemory(describe.oom_advice(p))
+            self.error = OutOfMemory(messages.oom_advice(p))
         except MixprecError as e:
             self.error = e
             raise
@@ -117,7 +116,7 @@ class Session:
         self.found, blob = found, checkpoint.load(found)
         checkpoint.check_fits(blob, found, p.layout.as_dict())
         saved = checkpoint.restore(blob, found, p.learner)
-        self.state = loop.TrainState(**{**saved, "layout": p.layout.as_dict()})
+        self.state = loop.TrainState.restored(saved, p.layout.as_dict())
         log.info("resumed from %s at step %d (epoch %d, micro-batch %d)", found, self.state.step,
                  self.state.epoch, self.state.batch_in_epoch)
         return blob
@@ -129,29 +128,38 @@ class Session:
         self.p.data.close()
         return json.loads(path.read_text()) if path.exists() else {"status": "completed"}
 
+    def _sinks(self, blob: dict | None) -> list:
+        """The logger's sinks; a run that continues this run dir's own checkpoint continues
+        their runs (a run started from another run's checkpoint is a new run)."""
+        p, c = self.p, self.p.config
+        own = blob is not None and self.found.resolve().parent.parent == p.run_dir.resolve()
+        tags = (c.precision.name, c.model.name, p.hw.name, c.name)
+        ctx = sinks.Context(p.run_dir, describe.what_ran(p), c.name, tags,
+                            resume_step=self.state.step if own else None)
+        return sinks.build(c.logger, ctx)
+
     def _hooks(self) -> Hooks:
         p, c = self.p, self.p.config
         if p.layout.max_batch is not None:
             self.tracker.log({"mem/max_batch": p.layout.max_batch}, self.state.step)
         if c.diagnose:
-            diagnose.on_run(checkpoint.unwrap(p.learner.model), p.learner.optimizer,
-                            build.example(c, p.data.input_shape, p.device),
-                            p.learner.precision, self.tracker, p.run_dir, c.trainer.log_every)
+            diagnose.on_run(unwrap(p.learner.model), build.example(c, p.data.input_shape, p.device),
+                            p.learner.precision, self.tracker, p.run_dir)
         peak, flops, world = p.peak_tflops, p.flops_per_sample, p.dist.world
         meter = perf.Throughput(p.device, c.trainer.perf_warmup_steps,
                                 mfu=lambda sps: perf.mfu(flops, sps, peak, world))
         guard = DivergenceGuard(p.device, c.debug.max_bad_steps, c.debug.min_loss_scale,
-                                reduce=p.dist.reduce)
-        torch.autograd.set_detect_anomaly(c.debug.detect_anomaly)
+                                reduce=p.dist.reduce, advice=p.learner.precision.on_divergence())
         hardware.reset_peak(p.device)
         stop = StopSignals(c.trainer.stop_grace_s, on_forced=self._forced)
         return Hooks(self.tracker, meter, guard, lambda: hardware.memory_stats(p.device),
-                     self._save, stop, p.dist, progress=sys.stderr.isatty() and p.dist.main)
+                     self._save, stop, p.dist, progress=sys.stderr.isatty() and p.dist.main,
+                     grad_histograms=c.diagnose)
 
     def _save(self, state: loop.TrainState) -> None:
         if self.p.dist.main:  # one writer; every rank holds the same weights
             checkpoint.save(self.ckpt, self.p.learner, state, self.resolved,
-                            self.tracker.run_id, self.p.config.ckpt.keep)
+                            self.p.config.ckpt.keep)
 
     def _finish_healthy(self, hooks: Hooks) -> None:
         """`completed` only with finite weights, buffers and loss: a divergence inside the last
@@ -159,9 +167,7 @@ class Session:
         learner, state = self.p.learner, self.state
         loss_ok = state.last_loss is None or math.isfinite(state.last_loss)
         if not (loss_ok and hooks.guard.healthy(model_tensors(learner.model))):
-            raise Diverged(f"the run ended at step {state.step} with non-finite loss, weights or "
-                           "BatchNorm statistics; its results are not usable. Try a lower "
-                           "optimizer.lr, trainer.clip_grad_norm=1.0 or precision=bf16")
+            raise Diverged(messages.diverged(state.step, learner.precision.on_divergence()))
         self._save(state)
         self.status = "completed"
 
@@ -169,47 +175,20 @@ class Session:
         """A stop signal with no step boundary in time: the summary, then the process exits."""
         self.status = "preempted"
         self.error = Preempted(signum, checkpointed=False)
-        self.summary = self.summarize()
+        self.summary = summary.of_session(self)
         self.tracker.summary(self.summary)
 
     def _close(self, hooks: Hooks) -> None:
         self.p.data.close()  # stop loader workers now, not at interpreter exit
-        self.summary = self.summarize()
+        self.summary = summary.of_session(self)
         self.tracker.summary(self.summary)
         self.tracker.close(self.status)
         if self.p.config.diagnose and self.p.dist.main:
             diagnose.loss_scale_plot(self.p.run_dir)
         if self.p.dist.main:
-            log.info(describe.final_line(self))
+            log.info(messages.final_line(self))
         if self.status == "preempted":  # last: submitit's handler requeues the job and exits
             hooks.stop.forward()
-
-    def summarize(self) -> dict:
-        """summary.json (the contract's keys first), however the run ended."""
-        p, c, st = self.p, self.p.config, self.state
-        prec, meter = p.learner.precision, self.hooks.meter
-        mem = hardware.memory_stats(p.device)
-        try:
-            scale = prec.loss_scale() if prec.scaling else None
-        except RuntimeError:  # the device is in a bad state after a CUDA error
-            scale = None
-        out = {"status": self.status, "precision": c.precision.name, "batch": p.layout.batch,
-               "accum": p.layout.accum, "effective_batch": p.layout.effective,
-               "world_size": p.layout.world, "steps": st.step, "samples_per_s": meter.steady_rate,
-               "peak_mem_gib": mem["mem/peak_gib"], "val_acc1": st.val_acc1,
-               "skipped_steps": st.skipped_steps, "loss_scale": scale,
-               "mfu": meter.mfu(meter.steady_rate), "wall_s": self.wall_s,
-               "val_loss": st.val_loss, "train_loss": st.last_loss,
-               "optimizer_steps": p.plan.total_steps, "lr": p.lr, "model": c.model.name,
-               "data": c.data.name, "hardware": p.hw.name, "device": str(p.device),
-               "memory": hardware.memory_kind(p.device), "torch": torch.__version__,
-               "max_batch": p.layout.max_batch, "grad_checkpointing": c.model.grad_checkpointing,
-               "memory_cap_gib": p.hw.memory_gib,
-               "checkpoint": str(self.ckpt) if self.ckpt.exists() else None,
-               **{k.split("/")[1]: v for k, v in self.phases.result.items()}}
-        if self.error is not None:
-            out.update(error=str(self.error), exit_code=self.error.exit_code)
-        return out
 
     @property
     def wall_s(self) -> float:

@@ -22,8 +22,13 @@ from .errors import ConfigError, RunDirBusy
 
 log = logging.getLogger(__name__)
 RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints")
-MADE_BY_A_RUN = (*RUN_FILES, "wandb", "wandb.json", "diagnose.md", "diagnose.json",
-                 "loss_scale.png")
+DIAGNOSE_FILES = ("diagnose.md", "diagnose.json", "loss_scale.png")
+
+
+def made_by_a_run() -> tuple[str, ...]:
+    """What a run may leave in its run dir: checkpoints, every sink's files, diagnostics."""
+    from . import sinks
+    return ("checkpoints", *sinks.run_files(), *DIAGNOSE_FILES)
 
 
 class RunDirLock:
@@ -82,7 +87,7 @@ def prepare(run_dir: Path, resume: str | None, overwrite: bool) -> None:
         raise ConfigError(f"run dir {run_dir} already holds a run; continue it with "
                           f"resume=auto, start it over with overwrite=true, or choose another "
                           "hydra.run.dir")
-    for name in MADE_BY_A_RUN:
+    for name in made_by_a_run():
         path = run_dir / name
         if path.is_dir():
             shutil.rmtree(path)

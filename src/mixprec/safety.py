@@ -42,9 +42,10 @@ class DivergenceGuard:
     """
 
     def __init__(self, device: torch.device, max_bad_steps: int, min_scale: float,
-                 reduce=lambda t, op="max": t) -> None:
+                 reduce=lambda t, op="max": t,
+                 advice: str = "a lower optimizer.lr or trainer.clip_grad_norm=1.0") -> None:
         self.bad = torch.zeros((), dtype=torch.int64, device=device)
-        self.max_bad_steps, self.min_scale = max_bad_steps, min_scale
+        self.max_bad_steps, self.min_scale, self.advice = max_bad_steps, min_scale, advice
         self.reduce = reduce  # DDP: every rank decides on the worst rank's count
 
     def update(self, loss: torch.Tensor) -> None:
@@ -63,10 +64,8 @@ class DivergenceGuard:
         if bad >= self.max_bad_steps:
             raise Diverged(
                 f"non-finite loss ({loss}) for {bad} steps in a row at step {step} "
-                f"(loss scale {scale}, lr {lr:.4g}). The weights are no longer usable. Try: a lower "
-                "optimizer.lr, trainer.clip_grad_norm=1.0, "
-                "scaler=conservative (init_scale 4096), or precision=bf16 (fp32's range). "
-                "debug.detect_anomaly=true finds the op that produced it.")
+                f"(loss scale {scale}, lr {lr:.4g}). The weights are no longer usable. Try: "
+                f"{self.advice}. debug.detect_anomaly=true finds the op that produced it.")
         if scale is not None and scale < self.min_scale:
             raise Diverged(
                 f"the loss scale collapsed to {scale:g} (< debug.min_loss_scale={self.min_scale:g}) "

@@ -1,0 +1,71 @@
+"""Writing a file whole or not at all: the one write-to-temp-then-rename of the project.
+
+A reader (a resume, the report, a second process) sees the old file or the new one, never half
+of one: the bytes go to a temp file beside the target, are fsync'ed, renamed over the target, and
+the directory entry is fsync'ed too, so a power loss right after the rename keeps the new file.
+A failure on the way (a full disk) removes the temp file and leaves the target as it was.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import IO, Any, Callable
+
+
+def write_atomic(path: Path, write: Callable[[IO[bytes]], Any] | bytes | str) -> Path:
+    """Replace `path` with what `write(f)` writes into a binary file (or with the given bytes or
+    text), atomically and durably."""
+    if isinstance(write, (bytes, str)):
+        data = write.encode() if isinstance(write, str) else write
+        write = lambda f: f.write(data)  # noqa: E731
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    sync_dir(path.parent)
+    return path
+
+
+def link_atomic(target: Path, path: Path) -> Path:
+    """Make `path` a hard link to `target`, replacing what was there in one rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    os.link(target, tmp)
+    os.replace(tmp, path)
+    sync_dir(path.parent)
+    return path
+
+
+def sync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def plain(v: Any) -> Any:
+    """JSON for what json does not take: tensors/numpy scalars by value, inf/nan as strings
+    (JSON has neither; every line stays valid JSON), anything else as its str."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v.item() if hasattr(v, "item") else str(v)
+
+
+def finite(obj: dict) -> dict:
+    return {k: plain(v) if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in obj.items()}
+
+
+def write_json(path: Path, obj: Any) -> Path:
+    """`obj` as indented JSON, atomically (summary.json, wandb.json, caches)."""
+    text = json.dumps(finite(obj) if isinstance(obj, dict) else obj, indent=2, default=plain)
+    return write_atomic(path, text + "\n")

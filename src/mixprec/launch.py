@@ -1,0 +1,39 @@
+"""What Hydra tells a job about how it was launched: single run or multirun, the sweep dir,
+the overrides typed, and whether the job has a process of its own (a submitit job). Read here
+only, so the rest of mixprec works the same from a script or a notebook (no Hydra: a single run
+with no overrides)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def hydra_config():
+    from hydra.core.hydra_config import HydraConfig
+    return HydraConfig.get() if HydraConfig.initialized() else None
+
+
+def multirun() -> bool:
+    hc = hydra_config()
+    return hc is not None and str(hc.mode) == "RunMode.MULTIRUN"
+
+
+def own_process() -> bool:
+    """This job runs in a process of its own (a submitit job: SLURM, or hydra/launcher=local)."""
+    return "SUBMITIT_EXECUTOR" in os.environ
+
+
+def sweep_dir() -> Path | None:
+    hc = hydra_config()
+    return Path(hc.sweep.dir) if multirun() else None
+
+
+def job_name(run_dir: Path) -> str:
+    """The job's overrides as one string (`precision=amp,batch=64`), else its run dir's name."""
+    hc = hydra_config()
+    return (hc.job.override_dirname if hc else "") or Path(run_dir).name
+
+
+def task_overrides() -> list[str]:
+    hc = hydra_config()
+    return list(hc.overrides.task) if hc else []

@@ -1,0 +1,104 @@
+"""Where a run's metrics go: sinks, one module each, like datasets (data/) and precisions.
+
+`logger=<name>` picks conf/logger/<name>.yaml, which switches its sink on (`logger.sinks.<name>:
+true`) and holds its settings as `logger.<key>`; `logger=[wandb,tensorboard]` (Hydra's
+multi-select) switches on both, `logger=none` none. A sink module has a `Config` (its keys, which
+it alone reads), a `Sink` (the class the Tracker writes to) and `FILES` (what it keeps in the
+run dir). Adding a backend is one module here and one YAML in conf/logger/. The local files
+(metrics.jsonl, summary.json: sinks/local.py) are written always: they are the contract.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ..errors import ConfigError, nearest
+from ..tracking import dropped
+
+ALWAYS = "local"  # metrics.jsonl and summary.json: on whatever logger= says
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a sink knows about the run it logs."""
+
+    run_dir: Path
+    config: dict  # what ran (resolved values, only the keys that apply: describe.what_ran)
+    experiment: str  # the experiment's name (W&B group, tag)
+    tags: tuple[str, ...]  # precision, model, hardware, experiment
+    resume_step: int | None  # continuing this run dir's own run from this step, else None
+
+
+@dataclass
+class LoggerConfig:
+    """The composed `logger` node: the sinks switched on, each with its own Config."""
+
+    sinks: dict[str, Any]  # sink name -> its Config
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.sinks)
+
+
+def names() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(__path__)
+                  if m.name != ALWAYS and hasattr(_module(m.name), "Sink"))
+
+
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def run_files() -> tuple[str, ...]:
+    """Every file or folder a sink may keep in a run dir (overwrite=true removes them)."""
+    return tuple(f for name in (ALWAYS, *names()) for f in _module(name).FILES)
+
+
+def parse(node: dict) -> LoggerConfig:
+    """The sinks switched on and their Configs; a key that no chosen sink reads is an error."""
+    chosen = [k for k, on in (node.get("sinks") or {}).items() if on]
+    for name in chosen:
+        if name not in names():
+            raise ConfigError(f"logger={name!r} is not a logger{nearest(name, names())} "
+                              f"(allowed: {', '.join(names())} or none)")
+    schemas = {name: _module(name).Config for name in chosen}
+    known = {f.name: name for name, s in schemas.items() for f in dataclasses.fields(s)}
+    for key in node:
+        if key != "sinks" and key not in known:
+            raise ConfigError(f"logger.{key} is not read by the chosen loggers "
+                              f"({', '.join(chosen) or 'none'}){nearest(key, known)}")
+    out = {}
+    for name, schema in schemas.items():
+        mine = {f.name: node[f.name] for f in dataclasses.fields(schema) if f.name in node}
+        try:
+            out[name] = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), mine))
+        except OmegaConfBaseException as e:
+            cause = e.__cause__
+            if isinstance(cause, ConfigError):
+                raise cause from None
+            raise ConfigError(f"logger: {str(e).splitlines()[0]}") from None
+    return LoggerConfig(out)
+
+
+def build(cfg: LoggerConfig, ctx: Context) -> list:
+    """The local sink, then the chosen ones, in the order logger= named them. A chosen sink
+    that cannot start (W&B unreachable) is left out with a warning; training goes on."""
+
+    out = [_module(ALWAYS).Sink(ctx)]
+    for name, cfg_ in cfg.sinks.items():
+        module = _module(name)
+        try:
+            out.append(module.Sink(cfg_, ctx))
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001  (a dashboard never stops training)
+            dropped(module.Sink.label, "init", e)
+    return out

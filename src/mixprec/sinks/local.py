@@ -1,0 +1,67 @@
+"""The local files every run writes, whatever logger= says: metrics.jsonl (one JSON object per
+log event, W&B's slash-style keys) and summary.json (how the run ended). They are the contract
+that the report, the tests and downstream scripts read."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from .. import files
+
+log = logging.getLogger(__name__)
+FILES = ("metrics.jsonl", "summary.json")
+
+
+class Sink:
+    label = "local files"
+    essential = True  # a failure here (a full disk) is the run's failure, not a warning
+
+    def __init__(self, ctx) -> None:
+        self.run_dir = ctx.run_dir
+        ctx.run_dir.mkdir(parents=True, exist_ok=True)
+        path = ctx.run_dir / "metrics.jsonl"
+        if ctx.resume_step is not None and path.exists():
+            drop_rows_after(path, ctx.resume_step)  # a killed run logged past its checkpoint
+        self.metrics = open(path, "a", buffering=1)
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.metrics.write(json.dumps(files.finite(row)) + "\n")
+
+    def histograms(self, values: dict[str, Any], step: int) -> None:
+        scalars = {k: v for k, v in values.items() if not hasattr(v, "numpy")}
+        if scalars:
+            self.log({"step": step, **scalars})
+
+    def table(self, name: str, rows: list[dict]) -> None:
+        pass  # tables are written into the run dir by whoever makes them (diagnose.md)
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        files.write_json(self.run_dir / "summary.json", summary)
+
+    def close(self, status: str) -> None:
+        self.metrics.close()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl; a torn line (a crash, power loss or full disk mid-write) is
+    skipped with a warning instead of making the whole file unreadable."""
+    rows = []
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            log.warning("%s line %d is torn (not JSON); skipped", path, n)
+    return rows
+
+
+def drop_rows_after(path: Path, step: int) -> None:
+    def keep(row: dict) -> bool:  # evaluation at the checkpoint's step runs again after resume
+        return row.get("step", 0) < step or (row.get("step") == step and
+                                             not any(k.startswith("val/") for k in row))
+
+    rows = [row for row in read_jsonl(path) if keep(row)]
+    files.write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))

@@ -1,0 +1,69 @@
+"""logger=tensorboard: TensorBoard event files in `<run dir>/tensorboard/`, written by torch's
+own SummaryWriter (needs the `tensorboard` package: pip install -e '.[tensorboard]').
+`tensorboard --logdir outputs/` shows every run; a multirun's jobs appear side by side. Scalars
+use the metric names of metrics.jsonl (train/loss, amp/loss_scale, ...) at the optimizer step;
+a resumed run drops the events its predecessor logged past the checkpoint (purge_step)."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from omegaconf import MISSING
+
+from ..errors import ConfigError, check
+
+FILES = ("tensorboard",)
+
+
+@dataclass
+class Config:
+    """conf/logger/tensorboard.yaml"""
+
+    flush_s: float = MISSING  # write buffered events to disk at least this often
+
+    def __post_init__(self) -> None:
+        check(self.flush_s > 0, "logger.flush_s", self.flush_s, "> 0 (seconds)")
+
+
+class Sink:
+    label = "TensorBoard"
+    essential = False  # a failure warns and drops TensorBoard; the local files go on
+
+    def __init__(self, cfg: Config, ctx) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError("logger=tensorboard needs the tensorboard package: pip install -e "
+                              "'.[tensorboard]' (make installs it)") from None
+        self.writer = SummaryWriter(log_dir=str(ctx.run_dir / "tensorboard"),
+                                    purge_step=ctx.resume_step, flush_secs=cfg.flush_s)
+        self.writer.add_text("config", "```\n" + json.dumps(ctx.config, indent=1) + "\n```")
+
+    def log(self, row: dict) -> None:
+        step = row["step"]
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and math.isfinite(value):
+                self.writer.add_scalar(key, value, step)
+
+    def histograms(self, values: dict, step: int) -> None:
+        for key, value in values.items():
+            if hasattr(value, "numpy"):
+                self.writer.add_histogram(key, value.float(), step)
+            else:
+                self.writer.add_scalar(key, value, step)
+
+    def table(self, name: str, rows: list[dict]) -> None:
+        cols = list(rows[0])
+        lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+        self.writer.add_text(name, "\n".join(lines))
+
+    def summary(self, summary: dict) -> None:
+        self.writer.add_text("summary", "```\n" + json.dumps(summary, indent=1,
+                                                              default=str) + "\n```")
+        self.writer.flush()
+
+    def close(self, status: str) -> None:
+        self.writer.close()
