@@ -62,6 +62,8 @@ def tf32_enabled() -> bool:
 
 def cap_memory(memory_gib: float, profile: str, device: torch.device) -> None:
     """Emulate a smaller card: this process may use at most memory_gib of the GPU."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory / GIB
     if memory_gib > total * 1.02:  # datasheet GB vs GiB rounding
         raise ConfigError(f"hardware={profile} wants {memory_gib:g} GiB but this GPU "
