@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # (train.py runs, torchrun, SLURM), so 2 cut the 2-core CI machine's 10.5 min to 7.5 min.
 TEST_WORKERS ?= 2
 
-.PHONY: install train test test-gpu bench bench-headline bench-cpu bench-memory bench-loader bench-profile bench-fast bench-prepared bench-scaling clean
+.PHONY: install train test lint format test-gpu bench bench-headline bench-cpu bench-memory bench-loader bench-profile bench-fast bench-prepared bench-scaling clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml
@@ -21,6 +21,12 @@ train: $(STAMP)          ## the embedded default: digits, fp32, W&B offline (abo
 
 test: $(STAMP)           ## the CPU suite (GPU tests skip without CUDA, SLURM tests without a cluster)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+lint: $(STAMP)           ## ruff: lint and format check (CI runs it before the tests)
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+format: $(STAMP)         ## ruff: fix what it can and format the tree
+	$(BIN)/ruff check --fix . && $(BIN)/ruff format .
 
 test-gpu: $(STAMP)       ## only the tests marked gpu (on a CUDA machine)
 	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)

@@ -1,4 +1,5 @@
 """mixprec's one training entrypoint: `python train.py precision=amp batch=768` (see README.md)."""
+
 import os
 import sys
 

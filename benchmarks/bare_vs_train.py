@@ -15,6 +15,7 @@ same GPU (rows spread over `--gpus`); warm-up excluded, the GPU synchronised at 
 boundaries; each side times `--repeats` windows of `steps` steps and reports their median
 (train.py: its per-window `perf/samples_per_s` from metrics.jsonl).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,19 +33,37 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 PRESETS = {
-    "cpu": dict(precisions=["fp32"], batch=64, steps=100, warmup=30, repeats=3,
-                train_args=["hardware=cpu", "optimizer=sgd", "trainer.min_steps=0"]),
-    "gpu": dict(precisions=["fp32", "amp", "bf16"], batch=256, steps=20, warmup=20, repeats=3,
-                train_args=["experiment=resnet50_synthetic"]),
+    "cpu": dict(
+        precisions=["fp32"],
+        batch=64,
+        steps=100,
+        warmup=30,
+        repeats=3,
+        train_args=["hardware=cpu", "optimizer=sgd", "trainer.min_steps=0"],
+    ),
+    "gpu": dict(
+        precisions=["fp32", "amp", "bf16"],
+        batch=256,
+        steps=20,
+        warmup=20,
+        repeats=3,
+        train_args=["experiment=resnet50_synthetic"],
+    ),
 }
 
 
 def parse_row(spec: str, batch: int) -> dict:
     head, _, b = spec.partition("@")
     prec, *flags = head.split("+")
-    row = {"spec": spec, "precision": prec, "channels_last": "cl" in flags, "compile": None,
-           "graphs": "graphs" in flags, "batch": int(b) if b else batch,
-           "options": {f[4:]: True for f in flags if f.startswith("opt:")}}
+    row = {
+        "spec": spec,
+        "precision": prec,
+        "channels_last": "cl" in flags,
+        "compile": None,
+        "graphs": "graphs" in flags,
+        "batch": int(b) if b else batch,
+        "options": {f[4:]: True for f in flags if f.startswith("opt:")},
+    }
     for f in flags:
         if f.startswith("compile"):
             row["compile"] = f.partition(":")[2] or "default"
@@ -76,31 +95,48 @@ def bare(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
     if cuda:
         model = timm.create_model(row["model"], num_classes=1000).to(device, memory_format=fmt)
         model = prec.convert(model)
-        data = [(torch.randn(batch, 3, 224, 224, device=device).contiguous(memory_format=fmt),
-                 torch.randint(0, 1000, (batch,), device=device))]
+        data = [
+            (
+                torch.randn(batch, 3, 224, 224, device=device).contiguous(memory_format=fmt),
+                torch.randint(0, 1000, (batch,), device=device),
+            )
+        ]
         batches = lambda: iter(data * 10**9)  # noqa: E731  (the same batch every step)
     else:
         from torch.utils.data import DataLoader, TensorDataset
 
         from mixprec.config import compose_config, validate
         from mixprec.data.digits import tensors
+
         x, y, _, _ = tensors(validate(compose_config()).data)
         model = timm.create_model("mixprec_digits_cnn", num_classes=10, in_chans=1).to(device)
         model(x[:1])  # materialise the lazy head
         loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True, drop_last=True)
         batches = lambda: (b for _ in range(10**9) for b in loader)  # noqa: E731
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True,
-                          weight_decay=5e-5, **({"fused": True} if cuda else {}))
+    opt = torch.optim.SGD(
+        model.parameters(),
+        lr=0.1,
+        momentum=0.9,
+        nesterov=True,
+        weight_decay=5e-5,
+        **({"fused": True} if cuda else {}),
+    )
     if cuda:  # as train.py (optim.zero_momentum): safe when GradScaler skips the first step
         for p in model.parameters():
             opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
-    autocast = lambda: torch.autocast(device.type, dtype=dtype or torch.bfloat16,  # noqa: E731
-                                      enabled=dtype is not None, cache_enabled=not row["graphs"])
+    autocast = lambda: torch.autocast(
+        device.type,
+        dtype=dtype or torch.bfloat16,  # noqa: E731
+        enabled=dtype is not None,
+        cache_enabled=not row["graphs"],
+    )
     if row["compile"]:
-        from mixprec.models import compile_model
-        model = compile_model(model, None if row["compile"] == "default" else row["compile"],
-                              row["options"])
+        from mixprec.compiling import compile_model
+
+        model = compile_model(
+            model, None if row["compile"] == "default" else row["compile"], row["options"]
+        )
     if row["graphs"]:
         with autocast():
             model = torch.cuda.make_graphed_callables(model, (data[0][0],))
@@ -108,7 +144,7 @@ def bare(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
     it = batches()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    rates = []
+    rates, t0 = [], time.perf_counter()
     for step in range(warmup + steps * repeats):
         if step >= warmup and (step - warmup) % steps == 0:
             sync()
@@ -128,39 +164,57 @@ def bare(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
     return {"samples_per_s": statistics.median(rates), "windows": rates, "peak_mem_gib": peak}
 
 
-def via_train_py(preset: str, row: dict, steps: int, warmup: int, repeats: int,
-                 env: dict | None = None) -> dict:
+def via_train_py(
+    preset: str, row: dict, steps: int, warmup: int, repeats: int, env: dict | None = None
+) -> dict:
     with tempfile.TemporaryDirectory() as d:
-        args = [sys.executable, str(ROOT / "train.py"), *PRESETS[preset]["train_args"],
-                *row.get("train_args", []),
-                f"precision={row['precision']}", f"batch={row['batch']}", "logger=none",
-                f"model.channels_last={str(row['channels_last']).lower()}",
-                f"model.compile={str(bool(row['compile'])).lower()}",
-                f"model.cuda_graphs={str(row['graphs']).lower()}",
-                f"trainer.max_steps={warmup + steps * repeats}", f"trainer.log_every={steps}",
-                f"trainer.perf_warmup_steps={warmup}", f"hydra.run.dir={d}"]
+        args = [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *PRESETS[preset]["train_args"],
+            *row.get("train_args", []),
+            f"precision={row['precision']}",
+            f"batch={row['batch']}",
+            "logger=none",
+            f"model.channels_last={str(row['channels_last']).lower()}",
+            f"model.compile={str(bool(row['compile'])).lower()}",
+            f"model.cuda_graphs={str(row['graphs']).lower()}",
+            f"trainer.max_steps={warmup + steps * repeats}",
+            f"trainer.log_every={steps}",
+            f"trainer.perf_warmup_steps={warmup}",
+            f"hydra.run.dir={d}",
+        ]
         if row["compile"] and row["compile"] != "default":
             args.append(f"model.compile_mode={row['compile']}")
         args += [f"+model.compile_options.{k}=true" for k in row["options"]]
-        proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env,
-                              timeout=900)
+        proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
         if proc.returncode:
             raise RuntimeError(f"train.py failed:\n{proc.stderr[-3000:]}")
         s = json.loads((Path(d) / "summary.json").read_text())
         rows = [json.loads(l) for l in (Path(d) / "metrics.jsonl").read_text().splitlines()]
-    rates = [r["perf/samples_per_s"] for r in rows
-             if "perf/samples_per_s" in r and r.get("step", 0) > warmup]
-    return {"samples_per_s": statistics.median(rates) if rates else s["samples_per_s"],
-            "windows": rates, "steady_samples_per_s": s["samples_per_s"],
-            "peak_mem_gib": s["peak_mem_gib"], "mfu": s["mfu"]}
+    rates = [
+        r["perf/samples_per_s"]
+        for r in rows
+        if "perf/samples_per_s" in r and r.get("step", 0) > warmup
+    ]
+    return {
+        "samples_per_s": statistics.median(rates) if rates else s["samples_per_s"],
+        "windows": rates,
+        "steady_samples_per_s": s["samples_per_s"],
+        "peak_mem_gib": s["peak_mem_gib"],
+        "mfu": s["mfu"],
+    }
 
 
 def in_subprocess(preset, row, steps, warmup, repeats, env=None) -> dict:
-    code = (f"import json,sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
-            f"import bare_vs_train as b; print(json.dumps(b.bare({preset!r}, {row!r}, "
-            f"{steps}, {warmup}, {repeats})))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=900)
+    code = (
+        f"import json,sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
+        f"import bare_vs_train as b; print(json.dumps(b.bare({preset!r}, {row!r}, "
+        f"{steps}, {warmup}, {repeats})))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900
+    )
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -181,27 +235,41 @@ def measure(preset: str, row: dict, p: dict, gpu: str | None) -> dict:
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         return dict(out, error=str(e)[-1500:])
     mfu = t["mfu"] * b["samples_per_s"] / t["steady_samples_per_s"] if t["mfu"] else None
-    return dict(out, bare=b, train=t, bare_samples_per_s=b["samples_per_s"],
-                train_samples_per_s=t["samples_per_s"],
-                ratio=t["samples_per_s"] / b["samples_per_s"], bare_mfu=mfu, train_mfu=t["mfu"])
+    return dict(
+        out,
+        bare=b,
+        train=t,
+        bare_samples_per_s=b["samples_per_s"],
+        train_samples_per_s=t["samples_per_s"],
+        ratio=t["samples_per_s"] / b["samples_per_s"],
+        bare_mfu=mfu,
+        train_mfu=t["mfu"],
+    )
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| row | bare img/s | train.py img/s | train.py / bare | peak GiB bare / train.py "
-             "| MFU bare / train.py |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| row | bare img/s | train.py img/s | train.py / bare | peak GiB bare / train.py "
+        "| MFU bare / train.py |",
+        "|---|---|---|---|---|---|",
+    ]
     f = lambda v, fmt: format(v, fmt) if v is not None else "-"  # noqa: E731
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['spec']} | error: {r['error'].splitlines()[-1][:80]} | | | | |")
             continue
         if "train" not in r:  # --bare-only
-            lines.append(f"| {r['spec']} | {r['bare_samples_per_s']:,.0f} | - | - | "
-                         f"{f(r['bare']['peak_mem_gib'], '.2f')} / - | - |")
+            lines.append(
+                f"| {r['spec']} | {r['bare_samples_per_s']:,.0f} | - | - | "
+                f"{f(r['bare']['peak_mem_gib'], '.2f')} / - | - |"
+            )
             continue
-        lines.append(f"| {r['spec']} | {r['bare_samples_per_s']:,.0f} | "
-                     f"{r['train_samples_per_s']:,.0f} | {r['ratio']:.3f} | "
-                     f"{f(r['bare']['peak_mem_gib'], '.2f')} / {f(r['train']['peak_mem_gib'], '.2f')} | "
-                     f"{f(r['bare_mfu'], '.3f')} / {f(r['train_mfu'], '.3f')} |")
+        lines.append(
+            f"| {r['spec']} | {r['bare_samples_per_s']:,.0f} | "
+            f"{r['train_samples_per_s']:,.0f} | {r['ratio']:.3f} | "
+            f"{f(r['bare']['peak_mem_gib'], '.2f')} / {f(r['train']['peak_mem_gib'], '.2f')} | "
+            f"{f(r['bare_mfu'], '.3f')} / {f(r['train_mfu'], '.3f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -210,20 +278,34 @@ def main() -> None:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     ap.add_argument("--repeats", type=int, help="timed windows per side (median reported)")
     ap.add_argument("--precisions", help="comma list, e.g. fp32,amp,bf16")
-    ap.add_argument("--matrix", action="store_true",
-                    help="precisions x channels_last off/on x compile off/on")
-    ap.add_argument("--compile", choices=["both", "off", "on"], default="both",
-                    help="with --matrix: only the rows without/with compile")
+    ap.add_argument(
+        "--matrix", action="store_true", help="precisions x channels_last off/on x compile off/on"
+    )
+    ap.add_argument(
+        "--compile",
+        choices=["both", "off", "on"],
+        default="both",
+        help="with --matrix: only the rows without/with compile",
+    )
     ap.add_argument("--rows", help="comma list of row specs (see the module docstring)")
-    ap.add_argument("--model", default="resnet50",
-                    help="gpu preset: the timm model of both sides (e.g. vit_base_patch16_224 for "
-                         "fp8 rows: ResNet-50's only Linear layer is its head)")
-    ap.add_argument("--bare-only", action="store_true",
-                    help="time only the bare loop (to compare switches quickly)")
+    ap.add_argument(
+        "--model",
+        default="resnet50",
+        help="gpu preset: the timm model of both sides (e.g. vit_base_patch16_224 for "
+        "fp8 rows: ResNet-50's only Linear layer is its head)",
+    )
+    ap.add_argument(
+        "--bare-only",
+        action="store_true",
+        help="time only the bare loop (to compare switches quickly)",
+    )
     ap.add_argument("--gpus", help="GPU ids to spread rows over: 0,1 or all (default: one)")
-    ap.add_argument("--train-args", default="",
-                    help="extra train.py overrides for every row, space-separated, e.g. "
-                         "'scaler.guard_bn_stats=false' (the bare loop is unchanged)")
+    ap.add_argument(
+        "--train-args",
+        default="",
+        help="extra train.py overrides for every row, space-separated, e.g. "
+        "'scaler.guard_bn_stats=false' (the bare loop is unchanged)",
+    )
     ap.add_argument("--out", type=Path, help="JSON results file")
     a = ap.parse_args()
     p = dict(PRESETS[a.preset])
@@ -239,14 +321,27 @@ def main() -> None:
     else:
         specs = precisions
     model_args = [f"model.name={a.model}"] if a.preset == "gpu" else []
-    rows_in = [dict(parse_row(sp, p["batch"]), model=a.model,
-                    train_args=[*a.train_args.split(), *model_args])
-               for sp in specs]
+    rows_in = [
+        dict(
+            parse_row(sp, p["batch"]),
+            model=a.model,
+            train_args=[*a.train_args.split(), *model_args],
+        )
+        for sp in specs
+    ]
     import torch
+
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    meta = {"date": time.strftime("%Y-%m-%d"), "device": gpu, "torch": torch.__version__,
-            "preset": a.preset, "steps_per_window": p["steps"], "warmup": p["warmup"],
-            "windows": p["repeats"], "command": " ".join(["python3", *sys.argv])}
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": gpu,
+        "torch": torch.__version__,
+        "preset": a.preset,
+        "steps_per_window": p["steps"],
+        "warmup": p["warmup"],
+        "windows": p["repeats"],
+        "command": " ".join(["python3", *sys.argv]),
+    }
     out = a.out or ROOT / "outputs" / "bench" / f"bare_vs_train-{a.preset}-{meta['date']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     if a.gpus == "all":  # one worker per visible GPU (rows never share a GPU)
@@ -268,12 +363,17 @@ def main() -> None:
             with lock:
                 done[i] = res
                 msg = res.get("error", "").splitlines()[-1:] or [
-                    f"bare {res['bare_samples_per_s']:,.1f}" + (
+                    f"bare {res['bare_samples_per_s']:,.1f}"
+                    + (
                         f"  train.py {res['train_samples_per_s']:,.1f}  ratio {res['ratio']:.3f}"
-                        if "train" in res else "")]
+                        if "train" in res
+                        else ""
+                    )
+                ]
                 print(f"  [{r['spec']} on gpu {g}] {msg[0]}", flush=True)
-                out.write_text(json.dumps({"meta": meta, "rows": [done[k] for k in sorted(done)]},
-                                          indent=2))
+                out.write_text(
+                    json.dumps({"meta": meta, "rows": [done[k] for k in sorted(done)]}, indent=2)
+                )
 
     threads = [threading.Thread(target=worker, args=(g,)) for g in gpus]
     for t in threads:
@@ -281,8 +381,10 @@ def main() -> None:
     for t in threads:
         t.join()
     rows = [done[k] for k in sorted(done)]
-    print(f"\n{meta['date']} {gpu} torch {torch.__version__}, preset {a.preset}, "
-          f"median of {p['repeats']} windows of {p['steps']} steps after {p['warmup']}")
+    print(
+        f"\n{meta['date']} {gpu} torch {torch.__version__}, preset {a.preset}, "
+        f"median of {p['repeats']} windows of {p['steps']} steps after {p['warmup']}"
+    )
     print(table(rows))
     print(f"wrote {out}")
 

@@ -8,6 +8,7 @@ Each run compiles from scratch unless inductor's cache holds its kernels: with t
 coordinate-descent tuning the first compile takes 3-5 minutes, so give each run --timeout 600.
 Measured rows: benchmarks/RESULTS.md ("experiment=fast").
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,16 +25,22 @@ VARIANTS = ["model.compile_options.coordinate_descent_tuning=false", "batch=768"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", nargs="*", default=VARIANTS, help="train.py overrides, one "
-                                                                    "variant each")
+    ap.add_argument(
+        "--variants", nargs="*", default=VARIANTS, help="train.py overrides, one variant each"
+    )
     ap.add_argument("--skip-preset", action="store_true", help="the variants only (no ratios)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--timeout", type=float, default=600, help="seconds per train.py run")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "fast_variants.json")
     a = ap.parse_args()
     import torch
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "steps": a.steps}
+
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "steps": a.steps,
+    }
     common = ["experiment=fast", f"trainer.max_steps={a.steps}", "trainer.perf_warmup_steps=30"]
     rows = []
     for v in [*([] if a.skip_preset else [""]), *a.variants]:

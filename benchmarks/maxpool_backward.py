@@ -11,6 +11,7 @@ Why: the profile of the tuned preset (benchmarks/RESULTS.md, session 8) has one 
 `triton_poi_fused_add_max_pool2d_with_indices_max_pool2d_with_indices_backward`, whose bytes need
 about 0.25 ms; benchmarks/maxpool_partition.py shows it reads saved offsets (no recompute).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,6 +58,7 @@ def timed(fn, x, g, iters: int) -> float:
 def kernel_ms(fn, x, g, iters: int = 5) -> dict:
     """GPU time per forward + backward of each kernel, from torch.profiler (CUDA only)."""
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             step(fn, x, g)
@@ -74,7 +76,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--only", nargs="*", help="the rows whose names start with these")
-    ap.add_argument("--code-dir", type=Path, help="write each compiled variant's generated code here")
+    ap.add_argument(
+        "--code-dir", type=Path, help="write each compiled variant's generated code here"
+    )
     ap.add_argument("--bandwidth-tbs", type=float, default=4.8, help="for the floor (H200: 4.8)")
     a = ap.parse_args()
     dtype = torch.float16 if a.device == "cuda" else torch.float32
@@ -82,12 +86,15 @@ def main() -> None:
     x = x.contiguous(memory_format=torch.channels_last).requires_grad_()
     g = torch.randn_like(pool(x.detach()))
     want = step(pool, x, g).clone()
-    fns = {"eager (aten)": pool,
-           "compiled (inductor)": torch.compile(pool),
-           "compiled, coordinate-descent tuned": torch.compile(
-               pool, options={"coordinate_descent_tuning": True}),
-           "mixprec Triton kernels (model.triton_max_pool=true)": triton_pool,
-           "compiled around the mixprec Triton kernels": torch.compile(triton_pool)}
+    fns = {
+        "eager (aten)": pool,
+        "compiled (inductor)": torch.compile(pool),
+        "compiled, coordinate-descent tuned": torch.compile(
+            pool, options={"coordinate_descent_tuning": True}
+        ),
+        "mixprec Triton kernels (model.triton_max_pool=true)": triton_pool,
+        "compiled around the mixprec Triton kernels": torch.compile(triton_pool),
+    }
     rows, kernels = {}, {}
     for name, fn in fns.items():
         if a.only and not name.startswith(tuple(a.only)):
@@ -95,10 +102,12 @@ def main() -> None:
         torch._dynamo.reset()
         if a.code_dir and name.startswith("compiled"):
             from torch._inductor.utils import run_and_get_code
+
             got, code = run_and_get_code(step, fn, x, g)
             a.code_dir.mkdir(parents=True, exist_ok=True)
             (a.code_dir / (re.sub(r"\W+", "_", name).strip("_") + ".py")).write_text(
-                "\n\n# ----- next graph -----\n".join(code))
+                "\n\n# ----- next graph -----\n".join(code)
+            )
         else:
             got = step(fn, x, g)
         # ties in a window (fp16) may route a gradient to another element
@@ -111,9 +120,19 @@ def main() -> None:
     backward = g.numel() * g.element_size() + g.numel() + x.numel() * x.element_size()
     rows["bandwidth floor, forward + backward"] = round(2 * backward / (a.bandwidth_tbs * 1e9), 3)
     rows["bandwidth floor, backward alone"] = round(backward / (a.bandwidth_tbs * 1e9), 3)
-    print(json.dumps({"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
-                      "torch": torch.__version__, "shape": list(x.shape), "dtype": str(dtype),
-                      "ms_forward_and_backward": rows, "kernel_ms": kernels}, indent=2))
+    print(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
+                "torch": torch.__version__,
+                "shape": list(x.shape),
+                "dtype": str(dtype),
+                "ms_forward_and_backward": rows,
+                "kernel_ms": kernels,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -8,11 +8,12 @@ Seen on torch 2.14 (benchmarks/RESULTS.md, session 8): the forward runs
 `_low_memory_max_pool_with_offsets` and hands its int8 offsets to the backward, which only runs
 `_low_memory_max_pool_offsets_to_indices`: no recompute.
 """
+
 from __future__ import annotations
 
+import timm
 import torch
 import torch._inductor.lowering  # noqa: F401  (inductor's decompositions refer to it)
-import timm
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -26,11 +27,15 @@ def main() -> None:
         def compiler(gm, example_inputs):
             graphs[name] = gm
             return make_boxed_func(gm.forward)
+
         return compiler
 
-    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                           partition_fn=min_cut_rematerialization_partition,
-                           decompositions=select_decomp_table())
+    backend = aot_autograd(
+        fw_compiler=keep("forward"),
+        bw_compiler=keep("backward"),
+        partition_fn=min_cut_rematerialization_partition,
+        decompositions=select_decomp_table(),
+    )
     model = timm.create_model("resnet50", num_classes=10).to(memory_format=torch.channels_last)
     x = torch.randn(2, 3, 64, 64).to(memory_format=torch.channels_last)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -38,8 +43,11 @@ def main() -> None:
     loss.backward()
     for name, gm in graphs.items():
         pools = [str(n.target) for n in gm.graph.nodes if "pool" in str(n.target)]
-        saved_int8 = [n.name for n in gm.graph.nodes if n.op == "placeholder"
-                      and getattr(n.meta.get("val"), "dtype", None) == torch.int8]
+        saved_int8 = [
+            n.name
+            for n in gm.graph.nodes
+            if n.op == "placeholder" and getattr(n.meta.get("val"), "dtype", None) == torch.int8
+        ]
         print(f"{name}: pooling ops {pools}; int8 inputs {saved_int8}")
 
 

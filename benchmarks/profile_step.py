@@ -10,6 +10,7 @@ group (convolution, GEMM, BatchNorm, elementwise/fused, optimizer, GradScaler, c
 and the idle time (step wall time minus the time some kernel ran). Writes the table as JSON
 (--out) and, with --trace, the Chrome trace.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,6 +71,7 @@ def main() -> None:
 
     from mixprec import build, distributed, loop
     from mixprec.config import compose_config, validate
+
     c = validate(compose_config([a.base, "logger=none", *a.overrides]))
     hw = build.resolve_hardware(c)
     parts = build.build(c, hw, distributed.init(hw.device))
@@ -92,7 +94,9 @@ def main() -> None:
     steps(a.steps)
     sync()
     step_ms = 1e3 * (time.perf_counter() - t0) / a.steps
-    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+    with profile(
+        activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    ) as prof:
         t0 = time.perf_counter()
         steps(a.profile_steps)
         sync()
@@ -104,29 +108,45 @@ def main() -> None:
         per_group[g] = per_group.get(g, 0.0) + e.device_time / 1e3 / a.profile_steps
     busy = busy_union([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3
     busy /= a.profile_steps
-    top = sorted(((sum(k.device_time for k in kernels if k.name == n) / 1e3 / a.profile_steps, n)
-                  for n in {k.name for k in kernels}), reverse=True)[:15]
-    result = {"config": [a.base, *a.overrides], "gpu": torch.cuda.get_device_name() if cuda else "CPU",
-              "torch": torch.__version__, "batch": batch, "warmup_s": round(warm_s, 1),
-              "step_ms": round(step_ms, 2), "images_per_s": round(batch / step_ms * 1e3),
-              "profiled_step_ms": round(prof_ms, 2),
-              "kernel_ms_per_step": {g: round(v, 2) for g, v in
-                                     sorted(per_group.items(), key=lambda kv: -kv[1])},
-              "kernels_per_step": round(len(kernels) / a.profile_steps),
-              "gpu_busy_ms_per_step": round(busy, 2),
-              "idle_ms_per_step": round(prof_ms - busy, 2),
-              "top_kernels_ms": [[round(t, 3), n[:120]] for t, n in top]}
+    top = sorted(
+        (
+            (sum(k.device_time for k in kernels if k.name == n) / 1e3 / a.profile_steps, n)
+            for n in {k.name for k in kernels}
+        ),
+        reverse=True,
+    )[:15]
+    result = {
+        "config": [a.base, *a.overrides],
+        "gpu": torch.cuda.get_device_name() if cuda else "CPU",
+        "torch": torch.__version__,
+        "batch": batch,
+        "warmup_s": round(warm_s, 1),
+        "step_ms": round(step_ms, 2),
+        "images_per_s": round(batch / step_ms * 1e3),
+        "profiled_step_ms": round(prof_ms, 2),
+        "kernel_ms_per_step": {
+            g: round(v, 2) for g, v in sorted(per_group.items(), key=lambda kv: -kv[1])
+        },
+        "kernels_per_step": round(len(kernels) / a.profile_steps),
+        "gpu_busy_ms_per_step": round(busy, 2),
+        "idle_ms_per_step": round(prof_ms - busy, 2),
+        "top_kernels_ms": [[round(t, 3), n[:120]] for t, n in top],
+    }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2))
     if a.trace:
         prof.export_chrome_trace(str(a.trace))
     print(json.dumps(result, indent=2))
-    print(f"\n{result['gpu']}: {' '.join(result['config'])}, batch {batch}: "
-          f"{result['images_per_s']:,} img/s, {step_ms:.1f} ms/step")
+    print(
+        f"\n{result['gpu']}: {' '.join(result['config'])}, batch {batch}: "
+        f"{result['images_per_s']:,} img/s, {step_ms:.1f} ms/step"
+    )
     print("| kernels | ms per step | share of the step |\n|---|---|---|")
     for g, v in result["kernel_ms_per_step"].items():
         print(f"| {g} | {v:.2f} | {v / prof_ms:.1%} |")
-    print(f"| GPU idle (no kernel running) | {prof_ms - busy:.2f} | {(prof_ms - busy) / prof_ms:.1%} |")
+    print(
+        f"| GPU idle (no kernel running) | {prof_ms - busy:.2f} | {(prof_ms - busy) / prof_ms:.1%} |"
+    )
     parts.data.close()
 
 

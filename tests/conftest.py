@@ -1,4 +1,5 @@
 """Shared fixtures: compose any config the way train.py does, shrunk to a CPU-sized run."""
+
 from __future__ import annotations
 
 import os
@@ -46,19 +47,39 @@ def cfg_factory(tmp_path):
         made.append(1)
         run_dir = tmp_path / ("run" if len(made) == 1 else f"run{len(made) - 1}")
         return compose_cfg([*(CPU_SMALL if small else []), *overrides], run_dir)
+
     return make
+
+
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    """A torch.distributed process group of one (gloo), as DDP code needs."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
 
 
 def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-def run_train(args: list[str], cwd: Path = ROOT, env_extra: dict | None = None,
-              timeout: int = 600) -> subprocess.CompletedProcess:
+def run_train(
+    args: list[str], cwd: Path = ROOT, env_extra: dict | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env_extra or {})})
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def pytest_collection_modifyitems(config, items):

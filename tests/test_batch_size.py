@@ -1,5 +1,6 @@
 """batch=auto's search (with a simulated memory limit), its cache, the effective-batch arithmetic,
 and activation checkpointing."""
+
 from __future__ import annotations
 
 import json
@@ -22,18 +23,21 @@ def SearchSettings(**keys):
 
 def fake_memory(limit: int, calls: list):
     """A probe that runs out of memory above `limit` samples, like a real GPU would."""
+
     def probe(b: int) -> None:
         calls.append(b)
         if b > limit:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {b} MiB")
+
     return probe
 
 
 @pytest.mark.parametrize("limit", [1, 7, 16, 100, 288, 560, 1000, 4097])
 def test_search_lands_within_the_resolution_below_the_limit(limit):
     calls: list[int] = []
-    found, probes = search(fake_memory(limit, calls), SearchSettings(start=16, resolution=8),
-                           free=lambda: None)
+    found, probes = search(
+        fake_memory(limit, calls), SearchSettings(start=16, resolution=8), free=lambda: None
+    )
     assert limit - 8 <= found <= limit
     assert [p["batch"] for p in probes] == calls
     assert all(p["fits"] == (p["batch"] <= limit) for p in probes)
@@ -42,8 +46,11 @@ def test_search_lands_within_the_resolution_below_the_limit(limit):
 
 def test_search_grows_by_half_then_bisects():
     calls: list[int] = []
-    search(fake_memory(560, calls), SearchSettings(start=16, growth=1.5, resolution=8),
-           free=lambda: None)
+    search(
+        fake_memory(560, calls),
+        SearchSettings(start=16, growth=1.5, resolution=8),
+        free=lambda: None,
+    )
     assert calls[:10] == [16, 24, 36, 54, 81, 121, 181, 271, 406, 609]  # the seeds' +50 %
     assert calls[10] == (406 + 609) // 2  # then bisection inside [406, 609)
 
@@ -51,12 +58,14 @@ def test_search_grows_by_half_then_bisects():
 def fake_gpu(fixed: float, per_sample: float, limit: float, calls: list, curve: float = 0.0):
     """A probe on a simulated GPU: peak memory fixed + per_sample * b (+ curve * b^2, so that a
     straight-line prediction overshoots); out of memory when the peak passes `limit`."""
+
     def probe(b: int) -> int:
         calls.append(b)
         peak = fixed + per_sample * b + curve * b * b
         if peak > limit:
             raise torch.OutOfMemoryError("CUDA out of memory")
         return int(peak)
+
     return probe
 
 
@@ -70,14 +79,24 @@ def test_guided_search_is_exact_and_needs_few_probes(true_max, bend):
     curve = bend * per_sample / true_max
     limit = fixed + per_sample * true_max + curve * true_max**2
     guided: list[int] = []
-    found, probes = search(fake_gpu(fixed, per_sample, limit, guided, curve),
-                           SearchSettings(start=16, resolution=8), free=lambda: None, limit=limit)
+    found, probes = search(
+        fake_gpu(fixed, per_sample, limit, guided, curve),
+        SearchSettings(start=16, resolution=8),
+        free=lambda: None,
+        limit=limit,
+    )
     assert true_max - 8 <= found <= true_max
     assert all(p["fits"] == (p["batch"] <= true_max) for p in probes)
     assert all(p["peak_gib"] for p in probes if p["fits"])
     plain: list[int] = []
-    assert true_max - 8 <= search(fake_gpu(fixed, per_sample, limit, plain, curve),
-                                  SearchSettings(start=16, resolution=8), free=lambda: None)[0]
+    assert (
+        true_max - 8
+        <= search(
+            fake_gpu(fixed, per_sample, limit, plain, curve),
+            SearchSettings(start=16, resolution=8),
+            free=lambda: None,
+        )[0]
+    )
     assert len(guided) < 0.75 * len(plain)
     assert true_max > 600 or len(guided) <= 9
 
@@ -85,6 +104,7 @@ def test_guided_search_is_exact_and_needs_few_probes(true_max, bend):
 def test_search_propagates_errors_that_are_not_oom():
     def probe(b):
         raise RuntimeError("shape mismatch")
+
     with pytest.raises(RuntimeError, match="shape mismatch"):
         search(probe, SearchSettings())
 
@@ -101,6 +121,7 @@ def test_search_agrees_across_ranks():
 
     def agree(ok: int) -> int:  # min over ranks: the other rank fits only up to 100
         return min(ok, int(seen[-1] <= other_rank_limit))
+
     found, _ = search(probe, SearchSettings(), agree=agree, free=lambda: None)
     assert 92 <= found <= 100
 
@@ -138,10 +159,16 @@ def test_an_unwritable_cache_costs_the_cache_not_the_run(tmp_path, caplog):
     assert "could not write the cache" in caplog.text and calls == [1]
 
 
-@pytest.mark.parametrize("target,max_micro,world,micro,accum", [
-    (768, 300, 1, 256, 3), (1000, 300, 1, 250, 4), (64, 16, 2, 16, 2), (256, 512, 1, 256, 1),
-    (3072, 528, 1, 512, 6),
-])
+@pytest.mark.parametrize(
+    "target,max_micro,world,micro,accum",
+    [
+        (768, 300, 1, 256, 3),
+        (1000, 300, 1, 250, 4),
+        (64, 16, 2, 16, 2),
+        (256, 512, 1, 256, 1),
+        (3072, 528, 1, 512, 6),
+    ],
+)
 def test_effective_batch_split_is_exact(target, max_micro, world, micro, accum):
     assert split_effective(target, max_micro, world) == (micro, accum, None)
 
@@ -187,8 +214,9 @@ def test_grad_checkpointing_keeps_the_gradients(name):
     forwards = {id(plain): 0, id(ckpt): 0}
     for m in (plain, ckpt):  # the last conv: inside a checkpointed block, it runs again in backward
         last = [c for c in m.modules() if isinstance(c, nn.Conv2d)][-1]
-        last.register_forward_hook(lambda mod, a, out, key=id(m): forwards.update(
-            {key: forwards[key] + 1}))
+        last.register_forward_hook(
+            lambda mod, a, out, key=id(m): forwards.update({key: forwards[key] + 1})
+        )
     for a, b in zip(_grads(plain, x, y), _grads(ckpt, x, y)):
         torch.testing.assert_close(a, b)
     assert (forwards[id(plain)], forwards[id(ckpt)]) == (1, 2)  # activations were recomputed
@@ -205,5 +233,6 @@ def test_grad_checkpointing_fallback_and_error():
     class Odd(nn.Module):
         def forward(self, x):
             return x
+
     with pytest.raises(ConfigError, match="model.grad_checkpointing=true: odd does not support"):
         models.enable_grad_checkpointing(Odd(), "odd")

@@ -1,4 +1,5 @@
 """Every option of every group composes and validates; bad input fails with a clear message."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,8 +11,17 @@ from mixprec.errors import ConfigError
 
 from conftest import compose_cfg, group, group_options, run_train
 
-GROUPS = ["precision", "scaler", "optimizer", "scheduler", "hardware", "model", "data", "logger",
-          "experiment"]
+GROUPS = [
+    "precision",
+    "scaler",
+    "optimizer",
+    "scheduler",
+    "hardware",
+    "model",
+    "data",
+    "logger",
+    "experiment",
+]
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in group_options(g)])
@@ -29,8 +39,15 @@ def test_every_option_composes_and_validates(group, option):
 
 
 def test_groups_have_the_required_options():
-    assert set(group_options("precision")) == {"fp32", "tf32", "amp", "amp_accum", "bf16", "fp8",
-                                               "fp8_rowwise"}
+    assert set(group_options("precision")) == {
+        "fp32",
+        "tf32",
+        "amp",
+        "amp_accum",
+        "bf16",
+        "fp8",
+        "fp8_rowwise",
+    }
     assert {"dynamic", "conservative", "static", "off"} <= set(group_options("scaler"))
     assert {"sgd", "adamw"} <= set(group_options("optimizer"))
     assert {"cosine", "step", "onecycle", "constant"} <= set(group_options("scheduler"))
@@ -39,8 +56,13 @@ def test_groups_have_the_required_options():
 
 
 def test_precision_semantics_table():
-    want = {"fp32": (None, False, 1), "tf32": (None, True, 1), "amp": ("float16", True, 1),
-            "amp_accum": ("float16", True, 4), "bf16": ("bfloat16", True, 1)}
+    want = {
+        "fp32": (None, False, 1),
+        "tf32": (None, True, 1),
+        "amp": ("float16", True, 1),
+        "amp_accum": ("float16", True, 4),
+        "bf16": ("bfloat16", True, 1),
+    }
     for name, (autocast, tf32, accum) in want.items():
         c = validate(compose_cfg([f"precision={name}"]))
         assert (c.precision.autocast, c.precision.tf32, c.accum) == (autocast, tf32, accum)
@@ -53,21 +75,37 @@ def test_amp_accum_respects_an_explicit_accum():
 def test_scaler_presets_follow_the_seeds():
     dyn = validate(compose_cfg(["scaler=dynamic"])).scaler
     assert (dyn.init_scale, dyn.growth_factor, dyn.backoff_factor, dyn.growth_interval) == (
-        65536.0, 2.0, 0.5, 2000)
+        65536.0,
+        2.0,
+        0.5,
+        2000,
+    )
     assert validate(compose_cfg(["scaler=conservative"])).scaler.init_scale == 2.0**12
     assert validate(compose_cfg(["scaler=static"])).scaler.static is True
     assert validate(compose_cfg(["scaler=off"])).scaler.enabled is False
 
 
-@pytest.mark.parametrize("override,key", [
-    ("batch=0", "batch"), ("batch=-3", "batch"), ("batch=abc", "batch"), ("effective_batch=0", "effective_batch"), ("accum=0", "accum"),
-    ("optimizer.lr=0", "optimizer.lr"), ("optimizer.lr=-1", "optimizer.lr"),
-    ("trainer.max_steps=0", "trainer.max_steps"), ("scaler.backoff_factor=1.5", "scaler.backoff_factor"),
-    ("optimizer.scale_lr=cubic", "optimizer.scale_lr"),
-    ("data=synthetic data.shape=[3,0,4]", "data.shape"), ("seed=-1", "seed"),
-    ("seed=4294967296", "seed"), ("optimizer.lr=inf", "optimizer.lr"),
-    ("scaler.init_scale=nan", "scaler.init_scale"), ("optimizer.momentum=0.9", "optimizer.momentum"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("batch=0", "batch"),
+        ("batch=-3", "batch"),
+        ("batch=abc", "batch"),
+        ("effective_batch=0", "effective_batch"),
+        ("accum=0", "accum"),
+        ("optimizer.lr=0", "optimizer.lr"),
+        ("optimizer.lr=-1", "optimizer.lr"),
+        ("trainer.max_steps=0", "trainer.max_steps"),
+        ("scaler.backoff_factor=1.5", "scaler.backoff_factor"),
+        ("optimizer.scale_lr=cubic", "optimizer.scale_lr"),
+        ("data=synthetic data.shape=[3,0,4]", "data.shape"),
+        ("seed=-1", "seed"),
+        ("seed=4294967296", "seed"),
+        ("optimizer.lr=inf", "optimizer.lr"),
+        ("scaler.init_scale=nan", "scaler.init_scale"),
+        ("optimizer.momentum=0.9", "optimizer.momentum"),
+    ],
+)
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(compose_cfg(override.split()))
@@ -96,6 +134,7 @@ def test_unknown_timm_model_suggests_names():
 
 def test_bf16_on_a_gpu_without_it(monkeypatch):
     import torch
+
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")
     c = validate(compose_cfg(["precision=bf16"]))
@@ -105,6 +144,7 @@ def test_bf16_on_a_gpu_without_it(monkeypatch):
 
 def test_amp_without_scaler_warns(caplog):
     import torch
+
     c = validate(compose_cfg(["precision=amp", "scaler=off"]))
     amp = precision.build(c.precision, c.scaler, torch.device("cpu"))
     assert not amp.scaler.is_enabled()
@@ -125,6 +165,7 @@ def test_hardware_auto_detection_by_gpu_name():
 
 def test_cuda_profile_without_a_gpu_is_a_clear_error(monkeypatch):
     import torch
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     c = validate(compose_cfg(["hardware=h100"]))
     with pytest.raises(ConfigError, match="hardware=h100 needs a CUDA GPU"):
@@ -134,11 +175,14 @@ def test_cuda_profile_without_a_gpu_is_a_clear_error(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,code,needle", [
-    (["batch=0"], 2, "batch=0 is not allowed; batch must be an int >= 1 or auto"),
-    (["model.name=resnet5O"], 2, "did you mean"),
-    (["precision=fp16"], 1, "Available options in 'precision'"),
-])
+@pytest.mark.parametrize(
+    "args,code,needle",
+    [
+        (["batch=0"], 2, "batch=0 is not allowed; batch must be an int >= 1 or auto"),
+        (["model.name=resnet5O"], 2, "did you mean"),
+        (["precision=fp16"], 1, "Available options in 'precision'"),
+    ],
+)
 def test_cli_rejects_bad_input_before_training(tmp_path, args, code, needle):
     proc = run_train([*args, f"hydra.run.dir={tmp_path}", "logger=wandb"])
     assert proc.returncode == code, proc.stderr[-2000:]
@@ -161,15 +205,17 @@ def test_an_emulated_card_keeps_its_memory_but_mfu_uses_the_real_gpus_peaks(monk
     """hardware=rtx3090 on an H200 caps memory at 24 GiB; MFU against a 3090's 71 TFLOP/s would
     exceed 1 (the seed table once printed 1.04), so the real GPU's peaks are used."""
     import torch
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "NVIDIA H200")
     profiles = config.hardware_profiles()
     emulated = hardware.resolve(group("hardware", "rtx3090"), profiles)
     assert emulated.memory_gib == 24 and emulated.name == "rtx3090"
     assert emulated.peak_tflops == profiles.load("h200").peak_tflops
-    mine = hardware.resolve(validate(compose_cfg(["hardware=rtx3090",
-                                                  "hardware.peak_tflops={fp16: 1.0}"])).hardware,
-                            profiles)
+    mine = hardware.resolve(
+        validate(compose_cfg(["hardware=rtx3090", "hardware.peak_tflops={fp16: 1.0}"])).hardware,
+        profiles,
+    )
     assert mine.peak_tflops["fp16"] == 1.0  # an explicit override keeps the profile's peaks
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "NVIDIA GeForce RTX 3090")
     native = hardware.resolve(group("hardware", "rtx3090"), profiles)

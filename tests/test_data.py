@@ -1,4 +1,5 @@
 """Real-data paths on generated files: ImageNet-style folders and CIFAR-format batches."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,13 @@ from PIL import Image
 from mixprec import run
 from mixprec.errors import ConfigError, DataError
 
-TINY = ["model=resnet18", "batch=4", "trainer.max_steps=2", "data.image_size=32",
-        "data.eval_resize=36"]
+TINY = [
+    "model=resnet18",
+    "batch=4",
+    "trainer.max_steps=2",
+    "data.image_size=32",
+    "data.eval_resize=36",
+]
 
 
 def make_folder(root: Path, classes=("cat", "dog"), n=6, smooth: bool = False) -> Path:
@@ -29,7 +35,9 @@ def make_folder(root: Path, classes=("cat", "dog"), n=6, smooth: bool = False) -
                     small = Image.fromarray(rng.integers(0, 255, (4, 5, 3), dtype=np.uint8))
                     small.resize((64, 48), Image.BICUBIC).save(d / f"{i}.jpg", quality=95)
                 else:
-                    Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(d / f"{i}.jpg")
+                    Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(
+                        d / f"{i}.jpg"
+                    )
     return root
 
 
@@ -50,9 +58,16 @@ def test_read_image_gives_pil_pixels_for_every_format(tmp_path):
     from torchvision.transforms.functional import pil_to_tensor
 
     from mixprec.data.images import read_image
+
     rgb = Image.fromarray(np.random.default_rng(0).integers(0, 255, (20, 30, 3), dtype=np.uint8))
-    files = {"a.bmp": rgb, "b.tif": rgb, "c.png": rgb.convert("RGBA"), "d.jpg": rgb.convert("L"),
-             "e.jpg": rgb.convert("CMYK"), "f.webp": rgb}
+    files = {
+        "a.bmp": rgb,
+        "b.tif": rgb,
+        "c.png": rgb.convert("RGBA"),
+        "d.jpg": rgb.convert("L"),
+        "e.jpg": rgb.convert("CMYK"),
+        "f.webp": rgb,
+    }
     for name, im in files.items():
         im.save(tmp_path / name)
         x = read_image(str(tmp_path / name))
@@ -62,10 +77,13 @@ def test_read_image_gives_pil_pixels_for_every_format(tmp_path):
     assert read_image(str(tmp_path / "g.png")).eq(255).all()
 
 
-@pytest.mark.parametrize("damage,needle", [
-    (lambda r: None, "does not exist"),
-    (lambda r: [p.unlink() for p in (r / "train" / "dog").iterdir()], "empty class folder"),
-])
+@pytest.mark.parametrize(
+    "damage,needle",
+    [
+        (lambda r: None, "does not exist"),
+        (lambda r: [p.unlink() for p in (r / "train" / "dog").iterdir()], "empty class folder"),
+    ],
+)
 def test_folder_errors_are_clear(cfg_factory, tmp_path, damage, needle):
     root = tmp_path / "imgs"
     if needle != "does not exist":
@@ -80,30 +98,55 @@ def test_unreadable_image_fails_with_its_path_or_is_skipped(cfg_factory, tmp_pat
     bad = root / "train" / "cat" / "broken.jpg"
     bad.write_bytes(b"not a jpeg at all")
     with pytest.raises(DataError, match="unreadable image .*broken.jpg"):
-        run.run(cfg_factory("data=imagenet", f"data.root={root}", *TINY, "batch=13",
-                            "trainer.max_steps=1"))
-    summary = run.run(cfg_factory("data=imagenet", f"data.root={root}", *TINY, "batch=13",
-                                  "trainer.max_steps=1", "data.bad_images=skip",
-                                  f"run_dir={tmp_path / 'skip'}"))
+        run.run(
+            cfg_factory(
+                "data=imagenet", f"data.root={root}", *TINY, "batch=13", "trainer.max_steps=1"
+            )
+        )
+    summary = run.run(
+        cfg_factory(
+            "data=imagenet",
+            f"data.root={root}",
+            *TINY,
+            "batch=13",
+            "trainer.max_steps=1",
+            "data.bad_images=skip",
+            f"run_dir={tmp_path / 'skip'}",
+        )
+    )
     assert summary["status"] == "completed"
 
 
 def test_cifar10_format_files(cfg_factory, tmp_path, monkeypatch):
     from torchvision.datasets import CIFAR10
+
     d = tmp_path / "cifar" / "cifar-10-batches-py"
     d.mkdir(parents=True)
     rng = np.random.default_rng(0)
     for name, n in [*((f"data_batch_{i}", 8) for i in range(1, 6)), ("test_batch", 8)]:
         with open(d / name, "wb") as f:
-            pickle.dump({"data": rng.integers(0, 255, (n, 3072), dtype=np.uint8),
-                         "labels": rng.integers(0, 10, n).tolist()}, f)
+            pickle.dump(
+                {
+                    "data": rng.integers(0, 255, (n, 3072), dtype=np.uint8),
+                    "labels": rng.integers(0, 10, n).tolist(),
+                },
+                f,
+            )
     with open(d / "batches.meta", "wb") as f:
         pickle.dump({"label_names": [f"c{i}" for i in range(10)]}, f)
     import torchvision.datasets.cifar as cifar_module
+
     monkeypatch.setattr(CIFAR10, "_check_integrity", lambda self: True)  # fake files, real format:
     monkeypatch.setattr(cifar_module, "check_integrity", lambda *a, **k: True)  # skip the md5s
-    summary = run.run(cfg_factory("data=cifar10", f"data.root={tmp_path / 'cifar'}", "model=resnet18",
-                                  "batch=8", "trainer.max_steps=3"))
+    summary = run.run(
+        cfg_factory(
+            "data=cifar10",
+            f"data.root={tmp_path / 'cifar'}",
+            "model=resnet18",
+            "batch=8",
+            "trainer.max_steps=3",
+        )
+    )
     assert summary["status"] == "completed" and summary["steps"] == 3
 
 
@@ -118,10 +161,19 @@ def smooth_jpegs(root: Path) -> Path:
 
 def _batches(dcfg_overrides, cfg_factory, root, split="val", n=1):
     import torch
+
     from mixprec import data
     from mixprec.config import validate
-    c = validate(cfg_factory("data=imagenet", f"data.root={root}", "data.image_size=32",
-                             "data.eval_resize=36", *dcfg_overrides))
+
+    c = validate(
+        cfg_factory(
+            "data=imagenet",
+            f"data.root={root}",
+            "data.image_size=32",
+            "data.eval_resize=36",
+            *dcfg_overrides,
+        )
+    )
     d = data.build(c.data, data.Context(8, torch.device("cpu"), 0))
     loader = d.val if split == "val" else d.train
     if split == "train":
@@ -133,8 +185,8 @@ def test_device_decode_gives_the_images_the_workers_give(cfg_factory, tmp_path):
     """data.decode=device (torchvision.io.decode_jpeg; nvJPEG on a GPU) crops, resizes and
     normalises the evaluation images like the PIL path does."""
     root = smooth_jpegs(tmp_path / "imgs")
-    (xw, yw), = _batches(["data.decode=workers"], cfg_factory, root)
-    (xd, yd), = _batches(["data.decode=device"], cfg_factory, root)
+    ((xw, yw),) = _batches(["data.decode=workers"], cfg_factory, root)
+    ((xd, yd),) = _batches(["data.decode=device"], cfg_factory, root)
     assert xw.shape == xd.shape == (8, 3, 32, 32) and xd.dtype == xw.dtype
     assert (yw == yd).all()
     diff = (xw - xd).abs().mean()  # sub-pixel crop offsets (crop-then-resize) and rounding
@@ -144,11 +196,12 @@ def test_device_decode_gives_the_images_the_workers_give(cfg_factory, tmp_path):
 
 def test_device_decode_trains_and_augments(cfg_factory, tmp_path):
     root = smooth_jpegs(tmp_path / "imgs")
-    (x1, _), = _batches(["data.decode=device"], cfg_factory, root, "train")
-    (x2, _), = _batches(["data.decode=device", "seed=1"], cfg_factory, root, "train")
+    ((x1, _),) = _batches(["data.decode=device"], cfg_factory, root, "train")
+    ((x2, _),) = _batches(["data.decode=device", "seed=1"], cfg_factory, root, "train")
     assert x1.shape == (8, 3, 32, 32) and not torch_equal(x1, x2)  # random crops differ by seed
-    summary = run.run(cfg_factory("data=imagenet", f"data.root={root}", "data.decode=device",
-                                  *TINY))
+    summary = run.run(
+        cfg_factory("data=imagenet", f"data.root={root}", "data.decode=device", *TINY)
+    )
     assert summary["status"] == "completed" and summary["val_acc1"] is not None
 
 
@@ -160,15 +213,37 @@ def test_device_decode_names_a_file_it_cannot_decode(cfg_factory, tmp_path):
     root = smooth_jpegs(tmp_path / "imgs")
     Image.new("RGB", (40, 40)).save(root / "train" / "cat" / "odd.png")
     with pytest.raises(DataError, match="odd.png.*JPEG only"):
-        run.run(cfg_factory("data=imagenet", f"data.root={root}", "data.decode=device", *TINY,
-                            "batch=9", "trainer.max_steps=1"))
+        run.run(
+            cfg_factory(
+                "data=imagenet",
+                f"data.root={root}",
+                "data.decode=device",
+                *TINY,
+                "batch=9",
+                "trainer.max_steps=1",
+            )
+        )
     with pytest.raises(ConfigError, match="batch=10: data=imagenet holds fewer training samples"):
-        run.run(cfg_factory("data=imagenet", f"data.root={root}", *TINY, "batch=10",
-                            "trainer.max_steps=1"))  # an epoch of 9 images: never a whole step
-    with pytest.raises(ConfigError, match="accum=3: one optimizer step needs 3 micro-batches of 4 "
-                                          "but an epoch of data=imagenet holds 2"):
-        run.run(cfg_factory("data=imagenet", f"data.root={root}", *TINY, "batch=4", "accum=3",
-                            "trainer.max_steps=1"))
+        run.run(
+            cfg_factory(
+                "data=imagenet", f"data.root={root}", *TINY, "batch=10", "trainer.max_steps=1"
+            )
+        )  # an epoch of 9 images: never a whole step
+    with pytest.raises(
+        ConfigError,
+        match="accum=3: one optimizer step needs 3 micro-batches of 4 "
+        "but an epoch of data=imagenet holds 2",
+    ):
+        run.run(
+            cfg_factory(
+                "data=imagenet",
+                f"data.root={root}",
+                *TINY,
+                "batch=4",
+                "accum=3",
+                "trainer.max_steps=1",
+            )
+        )
 
 
 @pytest.mark.parametrize("rank,world", [(0, 1), (1, 2)])
@@ -177,11 +252,15 @@ def test_persistent_workers_serve_the_same_batches(tmp_path, rank, world):
     mid-epoch resume) the same batches as a fresh DataLoader per epoch, for each DDP rank."""
     import torch
     from torch.utils.data import TensorDataset
+
     from mixprec.data.loaders import EpochLoader
+
     ds = TensorDataset(torch.arange(40 * world).float(), torch.arange(40 * world))
     from mixprec.data import Context, Workers
-    ctx = Context(8, torch.device("cpu"), seed=3, rank=rank, world=world,
-                  workers=Workers(num_workers=2))
+
+    ctx = Context(
+        8, torch.device("cpu"), seed=3, rank=rank, world=world, workers=Workers(num_workers=2)
+    )
     fresh, kept = EpochLoader(ds, ctx), EpochLoader(ds, ctx, persistent=True)
     streams = []
     for epoch, skip in [(0, 0), (1, 0), (2, 0), (2, 2), (3, 0)]:
@@ -202,8 +281,10 @@ def test_a_persistent_stream_left_part_way_resumes_where_asked(tmp_path):
     batches are those of a fresh loader, never the abandoned stream's next ones."""
     import torch
     from torch.utils.data import TensorDataset
+
     from mixprec.data import Context, Workers
     from mixprec.data.loaders import EpochLoader
+
     ds = TensorDataset(torch.arange(40).float(), torch.arange(40))
     ctx = Context(8, torch.device("cpu"), seed=5, workers=Workers(num_workers=2))
     fresh, kept = EpochLoader(ds, ctx), EpochLoader(ds, ctx, persistent=True)
@@ -227,6 +308,7 @@ def test_a_run_stops_its_persistent_workers_before_it_returns(cfg_factory, tmp_p
     import multiprocessing as mp
 
     from mixprec import loop
+
     root = make_folder(tmp_path / "imgs", n=12)
     before, seen, train = set(mp.active_children()), [], loop.train
 
@@ -236,8 +318,16 @@ def test_a_run_stops_its_persistent_workers_before_it_returns(cfg_factory, tmp_p
         return out
 
     monkeypatch.setattr(loop, "train", train_and_look)
-    summary = run.run(cfg_factory("data=imagenet", f"data.root={root}", *TINY, "batch=2",
-                                  "hardware.num_workers=2", "hardware.persistent_workers=true"))
+    summary = run.run(
+        cfg_factory(
+            "data=imagenet",
+            f"data.root={root}",
+            *TINY,
+            "batch=2",
+            "hardware.num_workers=2",
+            "hardware.persistent_workers=true",
+        )
+    )
     assert summary["steps"] == 2  # of 12 micro-batches: the epoch was left part-way
     assert len(seen) >= 2  # the two persistent train workers were running
     assert not any(w.is_alive() for w in seen)
@@ -248,6 +338,7 @@ def test_the_fast_preset_takes_a_real_dataset(cfg_factory, tmp_path):
     preset sets no key of one dataset (it once set data.steps_per_epoch, synthetic's only, and
     every real-data run of it stopped with exit 2)."""
     from mixprec.config import validate
+
     root = make_folder(tmp_path / "imgs", n=2)
     c = validate(cfg_factory("experiment=fast", "data=imagenet", f"data.root={root}"))
     assert c.data.name == "imagenet" and c.model.compile_mode == "reduce-overhead"

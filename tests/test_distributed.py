@@ -1,5 +1,6 @@
 """Data parallel on the CPU (gloo): 2 processes under torchrun match 1 process with the same
 effective batch; accumulation all-reduces once per optimizer step; rank 0 alone writes."""
+
 from __future__ import annotations
 
 import json
@@ -7,11 +8,11 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mixprec import distributed, loop, optim, precision
@@ -19,8 +20,13 @@ from mixprec import distributed, loop, optim, precision
 import wandb_log
 from conftest import ROOT, group, run_train
 
-COMMON = ["model=digits_mlp", "trainer.max_steps=6", "trainer.log_every=1", "hardware=cpu",
-          "scheduler=constant"]
+COMMON = [
+    "model=digits_mlp",
+    "trainer.max_steps=6",
+    "trainer.log_every=1",
+    "hardware=cpu",
+    "scheduler=constant",
+]
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -31,8 +37,10 @@ def losses(run_dir: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("single")
-    single = run_train([*COMMON, "batch=32", "accum=2", "logger=none", f"hydra.run.dir={d}"],
-                       env_extra={"OMP_NUM_THREADS": "1"})
+    single = run_train(
+        [*COMMON, "batch=32", "accum=2", "logger=none", f"hydra.run.dir={d}"],
+        env_extra={"OMP_NUM_THREADS": "1"},
+    )
     assert single.returncode == 0, single.stderr[-3000:]
     return d
 
@@ -40,10 +48,24 @@ def one_process(tmp_path_factory) -> Path:
 def torchrun(launcher: list[str], run_dir: Path) -> subprocess.Popen:
     """One torchrun agent training batch 16 x accum 2 per process into run_dir."""
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launcher,
-                             str(ROOT / "train.py"), *COMMON, "batch=16", "accum=2",
-                             f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *launcher,
+            str(ROOT / "train.py"),
+            *COMMON,
+            "batch=16",
+            "accum=2",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def finished(proc: subprocess.Popen) -> str:
@@ -67,8 +89,11 @@ def assert_matches_one_process(ddp_dir: Path, single_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_torchrun_two_processes_match_one_process(tmp_path, one_process):
+    temp = Path(tempfile.gettempdir())
+    before = set(temp.glob("mixprec-rank*"))
     finished(torchrun(["--standalone", "--nproc_per_node=2"], tmp_path))
     assert_matches_one_process(tmp_path, one_process)
+    assert set(temp.glob("mixprec-rank*")) == before  # rank 1 made no run dir of its own
 
 
 @pytest.mark.slow
@@ -79,8 +104,13 @@ def test_two_torchrun_agents_act_as_two_nodes(tmp_path, one_process):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    rdzv = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=mixprec-test"]
+    rdzv = [
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{port}",
+        "--rdzv_id=mixprec-test",
+    ]
     node0, node1 = tmp_path / "node0", tmp_path / "node1"  # each machine names its own run dir
     agents = [torchrun(rdzv, node0), torchrun(rdzv, node1)]
     for agent in agents:
@@ -90,18 +120,11 @@ def test_two_torchrun_agents_act_as_two_nodes(tmp_path, one_process):
     assert_matches_one_process(written[0], one_process)
 
 
-@pytest.fixture
-def gloo_world_of_one(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_accumulation_all_reduces_once_per_optimizer_step(gloo_world_of_one):
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(),
-                                                              nn.Linear(16, 3)))
+    model = nn.parallel.DistributedDataParallel(
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    )
     calls = []
 
     def count(state, bucket):
@@ -140,7 +163,9 @@ def test_slurm_environment_is_read(monkeypatch):
 
 def test_stop_signals_hand_over_to_the_previous_handler():
     import signal
+
     from mixprec.safety import StopSignals
+
     seen = []
     old = signal.signal(signal.SIGUSR2, lambda s, f: seen.append(s))  # e.g. submitit's requeue
     try:

@@ -1,6 +1,7 @@
 """Faults a real user meets: two writers in one run dir, a run that diverges in its last steps,
 torn metrics files, resumes that do not fit, re-running into a finished run dir, typos added
 with `+`, and stop signals during a step that never ends."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,8 @@ import pytest
 import torch
 
 from mixprec import report, run, rundir
-from mixprec.sinks import local
 from mixprec.errors import CheckpointError, ConfigError, Diverged, RunDirBusy
+from mixprec.sinks import local
 
 from conftest import ROOT, run_train
 
@@ -50,10 +51,24 @@ def test_two_runs_started_together_in_one_run_dir(tmp_path):
     """Seed 0 and seed 1 started at once into one run dir (a SLURM requeue while the old job
     lives): one trains, the other stops at once with exit 6 and writes nothing."""
     env = {**os.environ, "WANDB_MODE": "offline"}
-    args = [sys.executable, str(ROOT / "train.py"), "logger=none", "trainer.max_steps=60",
-            f"hydra.run.dir={tmp_path}"]
-    procs = [subprocess.Popen([*args, f"seed={s}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for s in (0, 1)]
+    args = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "logger=none",
+        "trainer.max_steps=60",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    procs = [
+        subprocess.Popen(
+            [*args, f"seed={s}"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for s in (0, 1)
+    ]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     codes = sorted(p.returncode for p in procs)
     assert codes == [0, 6], outs
@@ -66,8 +81,9 @@ def test_two_runs_started_together_in_one_run_dir(tmp_path):
 def test_divergence_in_the_last_steps_is_not_completed(cfg_factory):
     """lr=1e6: the weights blow up between two divergence checks; the run must not end as
     `completed` with non-finite weights (sweeps and Optuna would count it a success)."""
-    cfg = cfg_factory("optimizer=sgd", "optimizer.lr=1e6", "trainer.max_steps=5",
-                      "trainer.log_every=10")
+    cfg = cfg_factory(
+        "optimizer=sgd", "optimizer.lr=1e6", "trainer.max_steps=5", "trainer.log_every=10"
+    )
     with pytest.raises(Diverged, match="non-finite"):
         run.run(cfg)
     s = summary(Path(cfg.run_dir))
@@ -76,8 +92,16 @@ def test_divergence_in_the_last_steps_is_not_completed(cfg_factory):
 
 
 def test_the_divergence_message_promises_no_checkpoint(tmp_path):
-    proc = run_train(["hardware=cpu", "logger=none", "optimizer=sgd", "optimizer.lr=1e12",
-                      "trainer.log_every=5", f"hydra.run.dir={tmp_path}"])
+    proc = run_train(
+        [
+            "hardware=cpu",
+            "logger=none",
+            "optimizer=sgd",
+            "optimizer.lr=1e12",
+            "trainer.log_every=5",
+            f"hydra.run.dir={tmp_path}",
+        ]
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 3 and "checkpoint is kept" not in out
     assert "last checkpoint: none written" in out
@@ -107,13 +131,17 @@ def test_drop_rows_after_keeps_what_a_resume_repeats(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9, "tr')
     local.drop_rows_after(path, 5)
     assert [(r["step"], "val/acc1" in r) for r in local.read_jsonl(path)] == [
-        (s, False) for s in range(1, 6)]
+        (s, False) for s in range(1, 6)
+    ]
 
 
-@pytest.mark.parametrize("damage,needle", [
-    (lambda p: p.write_bytes(b""), "cannot be loaded"),
-    (lambda p: torch.save({"format": 1}, p), "incomplete: it has no model"),
-])
+@pytest.mark.parametrize(
+    "damage,needle",
+    [
+        (lambda p: p.write_bytes(b""), "cannot be loaded"),
+        (lambda p: torch.save({"format": 1}, p), "incomplete: it has no model"),
+    ],
+)
 def test_a_broken_last_checkpoint_is_named(cfg_factory, damage, needle):
     cfg = cfg_factory("trainer.max_steps=2")
     run.run(cfg)
@@ -128,16 +156,20 @@ def test_a_resume_with_another_optimizer_is_a_clear_error(cfg_factory):
     cfg = cfg_factory("trainer.max_steps=2")
     run.run(cfg)
     with pytest.raises(CheckpointError, match="another optimizer"):
-        run.run(cfg_factory("optimizer=sgd", "trainer.max_steps=4", "resume=auto",
-                            f"run_dir={cfg.run_dir}"))
+        run.run(
+            cfg_factory(
+                "optimizer=sgd", "trainer.max_steps=4", "resume=auto", f"run_dir={cfg.run_dir}"
+            )
+        )
 
 
 def test_a_resume_with_another_batch_is_refused_and_the_summary_says_failed(cfg_factory):
     cfg = cfg_factory("batch=32", "trainer.max_steps=2")
     assert run.run(cfg)["status"] == "completed"
     with pytest.raises(CheckpointError, match="batch 32 -> 64"):
-        run.run(cfg_factory("batch=64", "trainer.max_steps=4", "resume=auto",
-                            f"run_dir={cfg.run_dir}"))
+        run.run(
+            cfg_factory("batch=64", "trainer.max_steps=4", "resume=auto", f"run_dir={cfg.run_dir}")
+        )
     s = summary(Path(cfg.run_dir))
     assert s["status"] == "failed" and s["exit_code"] == 5  # not the earlier `completed`
 
@@ -159,25 +191,35 @@ def test_resume_auto_on_a_finished_run_changes_nothing(cfg_factory, caplog):
     caplog.set_level("INFO")
     cfg = cfg_factory("trainer.max_steps=12", "trainer.perf_warmup_steps=1")
     first = run.run(cfg)
-    again = run.run(cfg_factory("trainer.max_steps=12", "trainer.perf_warmup_steps=1",
-                                "resume=auto", f"run_dir={cfg.run_dir}"))
+    again = run.run(
+        cfg_factory(
+            "trainer.max_steps=12",
+            "trainer.perf_warmup_steps=1",
+            "resume=auto",
+            f"run_dir={cfg.run_dir}",
+        )
+    )
     assert again == json.loads(json.dumps(first))
     assert again["samples_per_s"] is not None and "nothing left to train" in caplog.text
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("+trainer.max_step=5", "trainer.max_step is not a config key; did you mean max_steps"),
-    ("+foo=1", "foo is not a config key"),
-    ("+data.sahpe=[1,2,3]", "data.sahpe is not a key of data=digits"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("+trainer.max_step=5", "trainer.max_step is not a config key; did you mean max_steps"),
+        ("+foo=1", "foo is not a config key"),
+        ("+data.sahpe=[1,2,3]", "data.sahpe is not a key of data=digits"),
+    ],
+)
 def test_a_typo_added_with_plus_is_a_config_error(cfg_factory, override, needle):
     with pytest.raises(ConfigError, match=needle.replace("[", r"\[")):
         run.run(cfg_factory(override))
 
 
 def test_a_batch_larger_than_the_dataset_says_so(cfg_factory):
-    with pytest.raises(ConfigError, match="fewer training samples per process than one "
-                                          "micro-batch of 2000"):
+    with pytest.raises(
+        ConfigError, match="fewer training samples per process than one micro-batch of 2000"
+    ):
         run.run(cfg_factory("batch=2000"))
 
 
@@ -185,6 +227,7 @@ def stuck_run(tmp_path: Path, grace: int) -> subprocess.Popen:
     """train.py stuck in one blocking call inside its first step: reading an image that never
     arrives (a FIFO), with trainer.stop_grace_s=grace."""
     from PIL import Image
+
     root = tmp_path / "imgs"
     for split in ("train", "val"):
         for c in ("a", "b"):
@@ -194,10 +237,26 @@ def stuck_run(tmp_path: Path, grace: int) -> subprocess.Popen:
     os.mkfifo(root / "train" / "a" / "stuck.jpg")  # opening it blocks until a writer comes
     env = {**os.environ, "WANDB_MODE": "offline"}
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), "data=imagenet", f"data.root={root}",
-         "model=resnet18", "data.image_size=32", "data.eval_resize=32", "batch=7", "logger=none",
-         "hardware=cpu", f"trainer.stop_grace_s={grace}", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "data=imagenet",
+            f"data.root={root}",
+            "model=resnet18",
+            "data.image_size=32",
+            "data.eval_resize=32",
+            "batch=7",
+            "logger=none",
+            "hardware=cpu",
+            f"trainer.stop_grace_s={grace}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 120
     while not (tmp_path / "run" / "metrics.jsonl").exists() and time.time() < deadline:
         time.sleep(0.2)  # training has started (the loaders are built, a batch is being read)
@@ -211,7 +270,7 @@ def communicate(proc: subprocess.Popen, timeout: float) -> str:
         return proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise AssertionError("it did not exit: " + proc.communicate()[0][-3000:])
+        raise AssertionError("it did not exit: " + proc.communicate()[0][-3000:]) from None
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """precision=fp8 (torchao float8 training): the option and its checks, which Linear layers it
 converts, plain checkpoints, the FLOP share and the MFU peak it implies, the dtype audit. Its
 training runs are GPU tests (test_gpu.py): float8 tensor cores need compute capability 8.9."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,12 @@ pytest.importorskip("torchao.float8")
 def fp8_plugin(recipe: str = "tensorwise", convert_head: bool = False, name: str = "fp8"):
     """The fp8 precision as train.py builds it, without the GPU check (conversion runs on the
     CPU; training needs float8 tensor cores)."""
-    return precision.build(group("precision", name, fp8_recipe=recipe, fp8_head=convert_head),
-                           group("scaler"), torch.device("cpu"), check_device=False)
+    return precision.build(
+        group("precision", name, fp8_recipe=recipe, fp8_head=convert_head),
+        group("scaler"),
+        torch.device("cpu"),
+        check_device=False,
+    )
 
 
 class Net(nn.Module):
@@ -41,15 +46,24 @@ class Net(nn.Module):
 def test_fp8_composes_as_a_precision_option():
     c = validate(compose_cfg(["precision=fp8"]))
     assert (c.precision.autocast, c.precision.fp8_recipe, c.precision.fp8_head) == (
-        "bfloat16", "tensorwise", False)
+        "bfloat16",
+        "tensorwise",
+        False,
+    )
     assert validate(compose_cfg(["precision=fp8_rowwise"])).precision.fp8_recipe == "rowwise"
     assert not hasattr(validate(compose_cfg(["precision=bf16"])).precision, "fp8_recipe")
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["precision=fp8", "precision.fp8_recipe=blockwise"], "precision.fp8_recipe=.*tensorwise, rowwise"),
-    (["precision=fp8", "precision.autocast=float16"], "bfloat16 with precision.fp8_recipe"),
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (
+            ["precision=fp8", "precision.fp8_recipe=blockwise"],
+            "precision.fp8_recipe=.*tensorwise, rowwise",
+        ),
+        (["precision=fp8", "precision.autocast=float16"], "bfloat16 with precision.fp8_recipe"),
+    ],
+)
 def test_bad_fp8_settings_name_the_key(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
         validate(compose_cfg(overrides))
@@ -81,9 +95,12 @@ def test_the_filter_converts_aligned_linears_but_not_the_head():
 
 def test_a_timm_vit_keeps_its_head_in_bf16():
     import timm
+
     conv = fp8_plugin("tensorwise", False)
     vit = conv.convert(timm.create_model("vit_small_patch16_224", num_classes=10))
-    assert len(conv.converted) == 48 and "head" not in conv.converted  # 12 blocks x qkv/proj/fc1/fc2
+    assert (
+        len(conv.converted) == 48 and "head" not in conv.converted
+    )  # 12 blocks x qkv/proj/fc1/fc2
     assert type(vit.head) is nn.Linear
 
 
@@ -93,8 +110,9 @@ def test_a_converted_model_checkpoints_as_plain_tensors(tmp_path):
     loaded = torch.load(tmp_path / "m.pt", weights_only=True)  # no code can run on load
     fresh = fp8_plugin("tensorwise", False).convert(Net())
     fresh.load_state_dict(loaded)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                  fresh.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values())
+    )
 
 
 def test_the_float8_flop_share_and_the_peak_it_implies():
@@ -102,12 +120,17 @@ def test_the_float8_flop_share_and_the_peak_it_implies():
     conv = fp8_plugin("tensorwise", False)
     model = conv.convert(Net())
     bf16 = precision.build(group("precision", "bf16"), group("scaler"), torch.device("cpu"))
-    total, in_float8 = perf.train_flops(model, (32,), 10, torch.device("cpu"), bf16.autocast,
-                                        set(conv.owned()))
+    total, in_float8 = perf.train_flops(
+        model, (32,), 10, torch.device("cpu"), bf16.autocast, set(conv.owned())
+    )
     # forward 2*in*out per sample, backward twice that (torchao's Float8Linear computes the
     # input gradient of fc1 too, though the network's input needs none)
-    per_layer = {"fc1": 2 * 32 * 64 * 3, "fc2": 2 * 64 * 64 * 3, "odd": 2 * 64 * 24 * 3,
-                 "head": 2 * 24 * 10 * 3}
+    per_layer = {
+        "fc1": 2 * 32 * 64 * 3,
+        "fc2": 2 * 64 * 64 * 3,
+        "odd": 2 * 64 * 24 * 3,
+        "head": 2 * 24 * 10 * 3,
+    }
     assert in_float8 == per_layer["fc1"] + per_layer["fc2"]
     assert total == sum(per_layer.values())
     assert fp8.blended_peak(1000.0, 2000.0, 0.0) == 1000.0
@@ -116,7 +139,8 @@ def test_the_float8_flop_share_and_the_peak_it_implies():
     assert fp8.blended_peak(1000.0, None, 0.5) is None  # an unknown fp8 peak: no MFU
     share = in_float8 / total  # what the run's MFU is measured against: the plugin's peak
     assert conv.peak_tflops({"bf16": 1000.0, "fp8": 2000.0}, share) == pytest.approx(
-        fp8.blended_peak(1000.0, 2000.0, share))
+        fp8.blended_peak(1000.0, 2000.0, share)
+    )
     assert bf16.peak_tflops({"bf16": 1000.0, "fp8": 2000.0}, 0.0) == 1000.0
 
 

@@ -1,5 +1,6 @@
 """GPU-only behaviour (CUDA memory stats, the card-emulating memory cap, OOM reporting, fp16/bf16
 on tensor cores). Skipped without CUDA; run on the GPU machine with `make test-gpu`."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,17 @@ from mixprec.errors import ConfigError, OutOfMemory
 from conftest import group
 
 pytestmark = pytest.mark.gpu
-GPU_SMALL = ["hardware=auto", "experiment=resnet50_synthetic", "model=resnet18", "batch=32",
-             "data.shape=[3,64,64]", "data.num_classes=10", "trainer.max_steps=14",
-             "trainer.log_every=4", "trainer.perf_warmup_steps=2"]
+GPU_SMALL = [
+    "hardware=auto",
+    "experiment=resnet50_synthetic",
+    "model=resnet18",
+    "batch=32",
+    "data.shape=[3,64,64]",
+    "data.num_classes=10",
+    "trainer.max_steps=14",
+    "trainer.log_every=4",
+    "trainer.perf_warmup_steps=2",
+]
 
 
 @pytest.mark.parametrize("prec", ["fp32", "tf32", "amp", "amp_accum", "bf16"])
@@ -31,12 +40,15 @@ def test_every_precision_trains_on_the_gpu(cfg_factory, prec):
     assert s["accum"] == (4 if prec == "amp_accum" else 1)
     assert 0 < train[-1]["mem/allocated_gib"] <= train[-1]["mem/reserved_gib"]
     assert train[-1]["mem/peak_gib"] >= train[-1]["mem/allocated_gib"]
-    assert s["loss_scale"] == (65536.0 if prec.startswith("amp") else None) or s["skipped_steps"] > 0
+    assert (
+        s["loss_scale"] == (65536.0 if prec.startswith("amp") else None) or s["skipped_steps"] > 0
+    )
     assert s["samples_per_s"] > 0
 
 
 def test_autocast_dtypes_on_cuda():
     from mixprec import precision
+
     lin = torch.nn.Linear(64, 64).cuda()
     x = torch.randn(8, 64, device="cuda")
     for name, dtype in (("amp", torch.float16), ("bf16", torch.bfloat16)):
@@ -64,8 +76,13 @@ def test_memory_cap_emulates_a_24_gib_card():
 
 
 def test_oom_marks_the_run_failed_with_advice(cfg_factory, caplog):
-    cfg = cfg_factory("experiment=resnet50_synthetic", "hardware=rtx3090", "batch=2048",
-                      "trainer.max_steps=2", small=False)
+    cfg = cfg_factory(
+        "experiment=resnet50_synthetic",
+        "hardware=rtx3090",
+        "batch=2048",
+        "trainer.max_steps=2",
+        small=False,
+    )
     try:
         with pytest.raises(OutOfMemory, match="batch=2048.*batch=auto"):
             run.run(cfg)
@@ -77,8 +94,13 @@ def test_oom_marks_the_run_failed_with_advice(cfg_factory, caplog):
 
 
 def test_batch_auto_finds_a_batch_that_trains_under_a_cap(cfg_factory, tmp_path):
-    overrides = [*GPU_SMALL, "precision=amp", "batch=auto", "hardware.memory_gib=3",
-                 f"batch_search.cache={tmp_path / 'cache.json'}"]
+    overrides = [
+        *GPU_SMALL,
+        "precision=amp",
+        "batch=auto",
+        "hardware.memory_gib=3",
+        f"batch_search.cache={tmp_path / 'cache.json'}",
+    ]
     try:
         cfg = cfg_factory(*overrides, small=False)
         run.run(cfg)
@@ -98,13 +120,18 @@ def test_cuda_graphs_train_like_eager(cfg_factory, tmp_path):
     losses track the eager run's (BatchNorm's warm-up passes differ slightly)."""
     base = [*GPU_SMALL, "precision=amp", "model.channels_last=true", "trainer.log_every=1"]
     eager = cfg_factory(*base, small=False)
-    graphed = cfg_factory(*base, "model.cuda_graphs=true", f"run_dir={tmp_path / 'g'}",
-                          small=False)
+    graphed = cfg_factory(*base, "model.cuda_graphs=true", f"run_dir={tmp_path / 'g'}", small=False)
     run.run(eager)
     s = run.run(graphed)
     assert s["status"] == "completed" and s["steps"] == 14 and s["mfu"] is not None
-    losses = [[json.loads(l)["train/loss"] for l in (Path(c.run_dir) / "metrics.jsonl")
-               .read_text().splitlines() if "train/loss" in l] for c in (eager, graphed)]
+    losses = [
+        [
+            json.loads(l)["train/loss"]
+            for l in (Path(c.run_dir) / "metrics.jsonl").read_text().splitlines()
+            if "train/loss" in l
+        ]
+        for c in (eager, graphed)
+    ]
     assert losses[1] == pytest.approx(losses[0], rel=0.05)
 
 
@@ -113,15 +140,20 @@ def test_triton_max_pool_matches_aten_on_the_gpu(dtype):
     """The Triton kernels on CUDA at ResNet's stem (3x3, stride 2, padding 1, channels-last),
     eager and compiled: aten's output exactly, and its gradient (fp32 sums of at most four)."""
     from mixprec.ops import TritonMaxPool2d, _use_triton
+
     x = torch.randn(8, 64, 56, 56, device="cuda").to(dtype)
     x = x.contiguous(memory_format=torch.channels_last)
     x[0, :, :2, :2] = 1.0  # ties
     assert _use_triton(x, [3, 3], [2, 2], [1, 1], [1, 1])
     g = torch.randn(8, 64, 28, 28, device="cuda", dtype=dtype).contiguous(
-        memory_format=torch.channels_last)
+        memory_format=torch.channels_last
+    )
     got = []
-    for pool in (torch.nn.MaxPool2d(3, 2, 1), TritonMaxPool2d(3, 2, 1),
-                 torch.compile(TritonMaxPool2d(3, 2, 1))):
+    for pool in (
+        torch.nn.MaxPool2d(3, 2, 1),
+        TritonMaxPool2d(3, 2, 1),
+        torch.compile(TritonMaxPool2d(3, 2, 1)),
+    ):
         xi = x.clone().requires_grad_()
         y = pool(xi)
         y.backward(g)
@@ -135,25 +167,44 @@ def test_triton_max_pool_matches_aten_on_the_gpu(dtype):
 def test_triton_max_pool_inside_cuda_graphs_trains_like_inductors_pool(cfg_factory, tmp_path):
     """model.triton_max_pool under experiment=fast's compile (reduce-overhead: cudagraph trees):
     the op is captured and replayed, and the run's losses track inductor's own pool."""
-    base = [*GPU_SMALL, "precision=amp", "model.channels_last=true", "trainer.log_every=1",
-            "model.compile=true", "model.compile_mode=reduce-overhead"]
+    base = [
+        *GPU_SMALL,
+        "precision=amp",
+        "model.channels_last=true",
+        "trainer.log_every=1",
+        "model.compile=true",
+        "model.compile_mode=reduce-overhead",
+    ]
     inductor = cfg_factory(*base, small=False)
-    ours = cfg_factory(*base, "model.triton_max_pool=true", f"run_dir={tmp_path / 'a'}",
-                       small=False)
+    ours = cfg_factory(
+        *base, "model.triton_max_pool=true", f"run_dir={tmp_path / 'a'}", small=False
+    )
     run.run(inductor)
     s = run.run(ours)
     assert s["status"] == "completed" and s["steps"] == 14
-    losses = [[json.loads(l)["train/loss"] for l in (Path(c.run_dir) / "metrics.jsonl")
-               .read_text().splitlines() if "train/loss" in l] for c in (inductor, ours)]
+    losses = [
+        [
+            json.loads(l)["train/loss"]
+            for l in (Path(c.run_dir) / "metrics.jsonl").read_text().splitlines()
+            if "train/loss" in l
+        ]
+        for c in (inductor, ours)
+    ]
     assert losses[1] == pytest.approx(losses[0], rel=0.05)
 
 
 def test_prefetch_on_a_side_stream_delivers_the_same_batches():
     from mixprec.data.loaders import prefetch
+
     cpu = [(torch.randn(64, 3, 32, 32).pin_memory(), torch.arange(64)) for _ in range(5)]
     dev = torch.device("cuda")
-    got = list(prefetch(iter(cpu), lambda b: (b[0].to(dev, non_blocking=True) * 2,
-                                             b[1].to(dev, non_blocking=True)), dev))
+    got = list(
+        prefetch(
+            iter(cpu),
+            lambda b: (b[0].to(dev, non_blocking=True) * 2, b[1].to(dev, non_blocking=True)),
+            dev,
+        )
+    )
     assert len(got) == 5
     for (x, y), (gx, gy) in zip(cpu, got):
         assert torch.equal(gx.cpu(), x * 2) and torch.equal(gy.cpu(), y)
@@ -161,14 +212,24 @@ def test_prefetch_on_a_side_stream_delivers_the_same_batches():
 
 def test_nvjpeg_decode_matches_the_workers_on_the_gpu(cfg_factory, tmp_path):
     """data.decode=device on CUDA (nvJPEG) gives the evaluation images the PIL workers give."""
+    from test_data import smooth_jpegs
+
     from mixprec import data
     from mixprec.config import validate
-    from test_data import smooth_jpegs
+
     root = smooth_jpegs(tmp_path / "imgs")
     got = []
     for decode in ("workers", "device"):
-        c = validate(cfg_factory("data=imagenet", f"data.root={root}", "data.image_size=32",
-                                 "data.eval_resize=36", f"data.decode={decode}", small=False))
+        c = validate(
+            cfg_factory(
+                "data=imagenet",
+                f"data.root={root}",
+                "data.image_size=32",
+                "data.eval_resize=36",
+                f"data.decode={decode}",
+                small=False,
+            )
+        )
         d = data.build(c.data, data.Context(8, torch.device("cuda"), 0, channels_last=True))
         got.append(next(iter(d.val)))
     (xw, yw), (xd, yd) = got
@@ -179,9 +240,19 @@ def test_nvjpeg_decode_matches_the_workers_on_the_gpu(cfg_factory, tmp_path):
 
 # ViT-S built for 64x64 inputs (img_size): no position-embedding resampling, whose bicubic
 # backward is not deterministic on CUDA (it made pos_embed differ in a resumed run)
-FP8_SMALL = ["hardware=auto", "model=vit_small", "+model.kwargs.img_size=64", "data=synthetic",
-             "data.shape=[3,64,64]", "data.num_classes=10", "batch=32", "trainer.max_steps=30",
-             "trainer.log_every=5", "trainer.perf_warmup_steps=2", "logger=none"]
+FP8_SMALL = [
+    "hardware=auto",
+    "model=vit_small",
+    "+model.kwargs.img_size=64",
+    "data=synthetic",
+    "data.shape=[3,64,64]",
+    "data.num_classes=10",
+    "batch=32",
+    "trainer.max_steps=30",
+    "trainer.log_every=5",
+    "trainer.perf_warmup_steps=2",
+    "logger=none",
+]
 
 
 def train_losses(run_dir) -> list[float]:
@@ -195,8 +266,13 @@ def test_fp8_trains_like_bf16(cfg_factory, tmp_path):
         pytest.skip("no float8 tensor cores on this GPU")
     runs = {}
     for prec in ("fp8", "bf16"):
-        cfg = cfg_factory(*FP8_SMALL, f"precision={prec}", "model.compile=true",
-                          f"run_dir={tmp_path / prec}", small=False)
+        cfg = cfg_factory(
+            *FP8_SMALL,
+            f"precision={prec}",
+            "model.compile=true",
+            f"run_dir={tmp_path / prec}",
+            small=False,
+        )
         runs[prec] = run.run(cfg)
     fp8_losses, bf16_losses = train_losses(tmp_path / "fp8"), train_losses(tmp_path / "bf16")
     assert runs["fp8"]["status"] == "completed" and runs["fp8"]["mfu"] is not None
@@ -208,8 +284,14 @@ def test_fp8_resume_is_bit_exact(cfg_factory, tmp_path):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no float8 tensor cores on this GPU")
     # cuDNN's benchmark mode may time its way to another conv algorithm in the resumed process
-    base = [*FP8_SMALL, "precision=fp8", "trainer.max_steps=20", "ckpt.every_steps=10",
-            "ckpt.keep=3", "hardware.cudnn_benchmark=false"]
+    base = [
+        *FP8_SMALL,
+        "precision=fp8",
+        "trainer.max_steps=20",
+        "ckpt.every_steps=10",
+        "ckpt.keep=3",
+        "hardware.cudnn_benchmark=false",
+    ]
     ref = cfg_factory(*base, f"run_dir={tmp_path / 'ref'}", small=False)
     run.run(ref)
     step10 = tmp_path / "ref" / "checkpoints" / "step_00000010.pt"

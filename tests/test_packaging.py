@@ -1,9 +1,10 @@
 """environment.yml (conda) and pyproject.toml (pip) must ask for the same packages."""
+
 from __future__ import annotations
 
 import re
-import tomllib
 
+import tomllib
 import yaml
 
 from conftest import ROOT
@@ -16,8 +17,15 @@ def _norm(req: str) -> str:
 def test_environment_yml_matches_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    want = {_norm(r) for r in project["dependencies"] + extras["test"] + extras["sweep"]
-            + extras["cluster"] + extras["fp8"] + extras["tensorboard"]}
+    want = {
+        _norm(r)
+        for r in project["dependencies"]
+        + extras["test"]
+        + extras["sweep"]
+        + extras["cluster"]
+        + extras["fp8"]
+        + extras["tensorboard"]
+    }
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
     got = {_norm(r) for r in pip if not r.startswith("-e")}

@@ -1,5 +1,6 @@
 """The precision story behaves: overflow halves the scale and skips the step (and nothing else
 moves), static scales stay put, bf16 tracks fp32, clipping acts on true gradients."""
+
 from __future__ import annotations
 
 import copy
@@ -37,8 +38,10 @@ def mlp(seed: int = 0) -> nn.Module:
 
 def batches(n: int, size: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(size, 16, generator=g), torch.randint(0, 4, (size,), generator=g))
-            for _ in range(n)]
+    return [
+        (torch.randn(size, 16, generator=g), torch.randint(0, 4, (size,), generator=g))
+        for _ in range(n)
+    ]
 
 
 class InfGrad(nn.Module):
@@ -109,8 +112,14 @@ def test_overflow_halves_the_scale_and_skips_the_step(fused):
 
 def bn_net(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
 
 
 def bn_steps(guarded: bool, blow_up: int | None, dev: str = "cpu", mode: str | None = None):
@@ -136,10 +145,15 @@ def bn_steps(guarded: bool, blow_up: int | None, dev: str = "cpu", mode: str | N
     return model, stats, outs, logits
 
 
-@pytest.mark.parametrize("guarded,dev,mode", [
-    (True, "cpu", None), (False, "cpu", None),
-    pytest.param(True, "cuda", None, marks=pytest.mark.gpu),
-    pytest.param(True, "cuda", "reduce-overhead", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    "guarded,dev,mode",
+    [
+        (True, "cpu", None),
+        (False, "cpu", None),
+        pytest.param(True, "cuda", None, marks=pytest.mark.gpu),
+        pytest.param(True, "cuda", "reduce-overhead", marks=pytest.mark.gpu),
+    ],
+)
 def test_an_overflowing_forward_leaves_batchnorm_statistics_alone(guarded, dev, mode):
     _, stats, outs, logits = bn_steps(guarded, blow_up=1, dev=dev, mode=mode)
     assert not torch.isfinite(outs[1].loss) and not outs[1].stepped  # GradScaler skipped it
@@ -155,7 +169,9 @@ def test_the_batchnorm_guard_changes_nothing_on_clean_steps():
     m1, s1, _, _ = bn_steps(True, blow_up=None)
     m2, s2, _, _ = bn_steps(False, blow_up=None)
     assert all(torch.equal(a, b) for a, b in zip(s1, s2))
-    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values())
+    )
     assert not BatchNormGuard(mlp(), True).enabled  # no BatchNorm: no work
 
 
@@ -203,7 +219,7 @@ def _one_step_delta(accum: int, micro: int, amp=None):
     model = mlp()
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    (x, y), = batches(1, accum * micro)
+    ((x, y),) = batches(1, accum * micro)
     micro_batches = list(zip(x.split(micro), y.split(micro)))
     loop.train_step(loop.Learner(model, opt, constant_lr(opt), amp), micro_batches)
     return [b - a for a, b in zip(model.parameters(), before)]
@@ -223,8 +239,9 @@ def test_clipping_bounds_the_true_gradient_norm(scaled):
     model = mlp()
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)  # delta = -clipped grad
-    out = loop.train_step(loop.Learner(model, opt, constant_lr(opt), amp), batches(1, 32),
-                          clip_grad_norm=0.05)
+    out = loop.train_step(
+        loop.Learner(model, opt, constant_lr(opt), amp), batches(1, 32), clip_grad_norm=0.05
+    )
     delta = torch.cat([(b - a).flatten() for a, b in zip(model.parameters(), before)])
     assert out.stepped and out.grad_norm > 0.05  # the raw norm really was above the limit
     assert delta.norm().item() <= 0.05 * 1.001
@@ -240,8 +257,9 @@ def test_lr_scaling_rule(rule, expected):
 def test_schedules_warm_up_and_decay():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    sch = optim.build_scheduler(group("scheduler", "cosine", warmup_steps=4, warmup_start=0.25),
-                                opt, total_steps=20)
+    sch = optim.build_scheduler(
+        group("scheduler", "cosine", warmup_steps=4, warmup_start=0.25), opt, total_steps=20
+    )
     lrs = [opt.param_groups[0]["lr"]]
     for _ in range(20):
         opt.step()
@@ -290,14 +308,26 @@ def loop_run(model, data, device, fused: bool, tmp_path, settle_late: bool = Tru
     from mixprec.tracking import Tracker
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
-    learner = loop.Learner(model, opt, optim.build_scheduler(group("scheduler", "cosine"), opt, 8),
-                           fp16(device, init_scale=1024.0))
-    plan = loop.Plan(total_steps=8, epochs=10, accum=1, log_every=4, samples_per_step=8,
-                     settle_late=settle_late)
+    learner = loop.Learner(
+        model,
+        opt,
+        optim.build_scheduler(group("scheduler", "cosine"), opt, 8),
+        fp16(device, init_scale=1024.0),
+    )
+    plan = loop.Plan(
+        total_steps=8, epochs=10, accum=1, log_every=4, samples_per_step=8, settle_late=settle_late
+    )
     from mixprec import sinks
-    tracker = Tracker(sinks.build(sinks.LoggerConfig({}), sinks.Context(tmp_path, {}, "test", (), None)))
-    hooks = Hooks(tracker, Throughput(device, 0), DivergenceGuard(device, 3, 1.0),
-                  lambda: hardware.memory_stats(device))
+
+    tracker = Tracker(
+        sinks.build(sinks.LoggerConfig({}), sinks.Context(tmp_path, {}, "test", (), None))
+    )
+    hooks = Hooks(
+        tracker,
+        Throughput(device, 0),
+        DivergenceGuard(device, 3, 1.0),
+        lambda: hardware.memory_stats(device),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
         state = loop.train(learner, data, loop.TrainState(), plan, hooks)
@@ -310,13 +340,15 @@ def digits_like(device):
 
     from mixprec.data import Context, Data
     from mixprec.data.loaders import EpochLoader
-    (x, y), = batches(1, 64)
+
+    ((x, y),) = batches(1, 64)
     ds, ctx = TensorDataset(x, y), Context(8, device, seed=0)
     return Data(EpochLoader(ds, ctx), EpochLoader(ds, ctx, shuffle=False), 4, (16,))
 
 
-@pytest.mark.parametrize("fused,dev", [(False, "cpu"), (True, "cpu"),
-                                       pytest.param(True, "cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    "fused,dev", [(False, "cpu"), (True, "cpu"), pytest.param(True, "cuda", marks=pytest.mark.gpu)]
+)
 def test_the_loop_counts_skipped_steps_and_holds_the_scheduler(tmp_path, fused, dev):
     """Fused: the skip flag stays on the device and the loop settles each step one step late
     (on CUDA the flag reaches the host through a pinned copy behind an event)."""
@@ -329,16 +361,21 @@ def test_the_loop_counts_skipped_steps_and_holds_the_scheduler(tmp_path, fused, 
     assert (state.step, state.skipped_steps, state.attempts) == (8, 2, 10)
     assert learner.scheduler.last_epoch == 8  # stepped only after the 8 real optimizer steps
     assert learner.precision.loss_scale() == 256.0  # halved twice
-    rows = [__import__("json").loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        __import__("json").loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
     train_rows = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in train_rows] == [4, 8]
     assert train_rows[0]["amp/skipped_steps"] == 2 and train_rows[0]["amp/loss_scale"] == 256.0
     assert all(r["train/grad_norm"] is not None for r in train_rows)
     # the same batches through train_step, settled at once: the late settling changes nothing
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, fused=fused)
-    ref = loop.Learner(ref_model, ref_opt, optim.build_scheduler(group("scheduler", "cosine"),
-                                                                 ref_opt, 8),
-                       fp16(device, init_scale=1024.0))
+    ref = loop.Learner(
+        ref_model,
+        ref_opt,
+        optim.build_scheduler(group("scheduler", "cosine"), ref_opt, 8),
+        fp16(device, init_scale=1024.0),
+    )
     steps = 0
     for epoch in range(2):
         data.train.set_epoch(epoch)
@@ -358,6 +395,7 @@ def test_the_loop_counts_skipped_steps_and_holds_the_scheduler(tmp_path, fused, 
 
 def test_mfu_flop_count_matches_a_hand_count():
     from mixprec import perf
+
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
     amp = fp32()
     conv = 2 * 8 * 8 * 8 * 3 * 3 * 3  # 2 * Cout * H * W * Cin * k * k per sample
@@ -370,8 +408,9 @@ def test_mfu_flop_count_matches_a_hand_count():
     assert perf.mfu(want, 1000.0, None) is None
 
 
-@pytest.mark.parametrize("name,tf32", [("fp32", False), ("tf32", True), ("amp", True),
-                                       ("bf16", True), ("fp32", False)])
+@pytest.mark.parametrize(
+    "name,tf32", [("fp32", False), ("tf32", True), ("amp", True), ("bf16", True), ("fp32", False)]
+)
 def test_each_precision_sets_the_tf32_switches(name, tf32):
     """TF32 is part of the precision: fp32 means IEEE fp32 matmuls and convolutions, the others
     allow TF32 tensor cores (checked on torch's backend flags, which the CPU carries too). The

@@ -1,4 +1,5 @@
 """python -m mixprec.prepare: the prepared (resized, re-encoded) copy of an image folder."""
+
 from __future__ import annotations
 
 import json
@@ -8,16 +9,17 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+from test_data import TINY
 
 from mixprec import prepare, run
-
-from test_data import TINY
 
 
 def photo(w: int, h: int, seed: int) -> Image.Image:
     """A smooth, photo-like image (a bicubic blow-up of a few random pixels)."""
     rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 255, (5, 6, 3), dtype=np.uint8)).resize((w, h), Image.BICUBIC)
+    return Image.fromarray(rng.integers(0, 255, (5, 6, 3), dtype=np.uint8)).resize(
+        (w, h), Image.BICUBIC
+    )
 
 
 def folder(root: Path) -> Path:
@@ -42,7 +44,13 @@ def test_the_copy_has_every_image_at_the_short_side_and_trains(cfg_factory, tmp_
         for c in ("cat", "dog"):
             d = dst / split / c
             assert sorted(p.name for p in d.iterdir()) == [
-                "0.jpg", "1.jpg", "2.jpg", "3.jpg", "small.jpg", "square.png.jpg"]
+                "0.jpg",
+                "1.jpg",
+                "2.jpg",
+                "3.jpg",
+                "small.jpg",
+                "square.png.jpg",
+            ]
             assert Image.open(d / "0.jpg").size == (64, 48)  # 120x90: aspect kept
             assert Image.open(d / "square.png.jpg").format == "JPEG"
             assert Image.open(d / "square.png.jpg").size == (48, 48)
@@ -60,10 +68,11 @@ def test_the_prepared_pixels_are_the_resized_original(tmp_path):
     dst = tmp_path / "b.jpg"
     prepare.shrink(src, dst, prepare.Recipe(160, 90, False))
     ours = np.asarray(Image.open(dst).convert("RGB"), dtype=np.float64)
-    ref = np.asarray(Image.open(src).convert("RGB").resize((213, 160), Image.LANCZOS),
-                     dtype=np.float64)
+    ref = np.asarray(
+        Image.open(src).convert("RGB").resize((213, 160), Image.LANCZOS), dtype=np.float64
+    )
     assert ours.shape == ref.shape == (160, 213, 3)
-    psnr = 10 * np.log10(255 ** 2 / np.mean((ours - ref) ** 2))
+    psnr = 10 * np.log10(255**2 / np.mean((ours - ref) ** 2))
     assert psnr > 30, psnr
 
 

@@ -1,15 +1,16 @@
-"""Every `python train.py` command in the README works as written: the ones a CPU can run train
+"""Every `python train.py` command in the README and docs/*.md works as written: the ones a CPU
+can run train
 (shortened by appended overrides: a step or two, no W&B, a temporary run dir), the GPU ones stop
 at once with a message that says they need a GPU, and the ones naming data we do not have stop at
 once naming data.root. Single runs are composed and run in this process, as train.py would;
 sweeps run as train.py subprocesses. SLURM commands are exercised by test_slurm.py, torchrun by
 test_distributed.py."""
+
 from __future__ import annotations
 
 import os
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 
@@ -18,18 +19,32 @@ from mixprec.errors import ConfigError
 
 from conftest import ROOT, compose_cfg, run_train
 
-SHORT = ["trainer.max_steps=2", "trainer.min_steps=0", "trainer.log_every=1", "logger=none",
-         "trainer.perf_warmup_steps=0"]
+SHORT = [
+    "trainer.max_steps=2",
+    "trainer.min_steps=0",
+    "trainer.log_every=1",
+    "logger=none",
+    "trainer.perf_warmup_steps=0",
+]
 TIMED = ["trainer.max_steps=11", "hydra.sweeper.n_trials=2"]  # optuna's objective is samples/s
-GPU = re.compile(r"experiment=(resnet50_synthetic|fast|seed_table|fp8_table)|needs_gpu=true|"
-                 r"precision=fp8|batch=auto|"
-                 r"cuda_graphs=true|hardware=(rtx3090|a100|h100|h200)")
-SWEEP_PRESETS = ("experiment=precision_sweep", "experiment=accuracy_parity",
-                 "experiment=optuna_throughput")
+GPU = re.compile(
+    r"experiment=(resnet50_synthetic|fast|seed_table|fp8_table)|needs_gpu=true|"
+    r"precision=fp8|batch=auto|"
+    r"cuda_graphs=true|hardware=(rtx3090|a100|h100|h200)"
+)
+SWEEP_PRESETS = (
+    "experiment=precision_sweep",
+    "experiment=accuracy_parity",
+    "experiment=optuna_throughput",
+)
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def readme_commands() -> list[str]:
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    text = "".join(p.read_text() for p in DOCS)
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
     commands = []
     for block in blocks:
         for line in block.replace("\\\n", " ").splitlines():

@@ -1,4 +1,5 @@
 """Exact resume, preemption, loud divergence and safe checkpoints."""
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,7 @@ import torch
 from mixprec import checkpoint, ledger, loop, optim, precision, run
 from mixprec.errors import CheckpointError
 
-from conftest import group
-
-from conftest import ROOT, run_train
+from conftest import ROOT, group, run_train
 
 # Deterministic on the CPU: digits, a fixed seed, dropout's RNG restored from the checkpoint.
 BASE = ["hardware=cpu", "trainer.max_steps=150", "ckpt.every_steps=10", "trainer.log_every=5"]
@@ -35,9 +34,14 @@ def assert_identical(a: dict, b: dict) -> None:
 
 def start(run_dir: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *BASE, *extra,
-                             f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *BASE, *extra, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, min_step: int) -> int:
@@ -94,7 +98,7 @@ def test_a_stop_signal_checkpoints_marks_preempted_and_resumes(tmp_path, referen
     out, _ = proc.communicate(timeout=30)
     assert time.time() - t0 < 30
     assert proc.returncode == 128 + sig, out[-3000:]
-    assert f"continue with: python train.py" in out and "resume=auto" in out
+    assert "continue with: python train.py" in out and "resume=auto" in out
     assert "Traceback" not in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     ckpt = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
@@ -108,8 +112,17 @@ def test_a_stop_signal_checkpoints_marks_preempted_and_resumes(tmp_path, referen
 
 @pytest.mark.slow
 def test_exploding_lr_stops_loudly_and_keeps_the_last_good_checkpoint(tmp_path):
-    proc = run_train(["hardware=cpu", "logger=none", "precision=fp32", "optimizer.lr=1e12",
-                      "ckpt.every_steps=1", "trainer.log_every=5", f"hydra.run.dir={tmp_path}"])
+    proc = run_train(
+        [
+            "hardware=cpu",
+            "logger=none",
+            "precision=fp32",
+            "optimizer.lr=1e12",
+            "ckpt.every_steps=1",
+            "trainer.log_every=5",
+            f"hydra.run.dir={tmp_path}",
+        ]
+    )
     assert proc.returncode == 3
     out = proc.stdout + proc.stderr
     assert "non-finite loss" in out and "clip_grad_norm" in out
@@ -168,8 +181,12 @@ def test_checkpoint_that_would_run_code_is_refused(tmp_path):
 def test_checkpoint_from_another_model_is_a_clear_error(cfg_factory, tmp_path):
     first = cfg_factory("trainer.max_steps=1")
     run.run(first)
-    other = cfg_factory("model=resnet18", "trainer.max_steps=1",
-                        f"resume={Path(first.run_dir)}", f"run_dir={tmp_path / 'other'}")
+    other = cfg_factory(
+        "model=resnet18",
+        "trainer.max_steps=1",
+        f"resume={Path(first.run_dir)}",
+        f"run_dir={tmp_path / 'other'}",
+    )
     with pytest.raises(CheckpointError, match="model does not fit this run's model"):
         run.run(other)
 
@@ -177,8 +194,12 @@ def test_checkpoint_from_another_model_is_a_clear_error(cfg_factory, tmp_path):
 def test_fp32_checkpoint_resumed_with_amp_gets_a_fresh_scaler(cfg_factory, tmp_path, caplog):
     first = cfg_factory("trainer.max_steps=2")
     run.run(first)
-    cfg = cfg_factory("precision=amp", "trainer.max_steps=4", f"resume={Path(first.run_dir)}",
-                      f"run_dir={tmp_path / 'amp'}")
+    cfg = cfg_factory(
+        "precision=amp",
+        "trainer.max_steps=4",
+        f"resume={Path(first.run_dir)}",
+        f"run_dir={tmp_path / 'amp'}",
+    )
     run.run(cfg)
     summary = json.loads((tmp_path / "amp" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 4
@@ -191,6 +212,7 @@ def test_no_checkpoint_over_nan_batchnorm_statistics():
     from torch import nn
 
     from mixprec.safety import DivergenceGuard
+
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     guard, saved = DivergenceGuard(torch.device("cpu"), 3, 1.0), []
     ledger.save_if_healthy(saved.append, loop.TrainState(step=1), guard, model)

@@ -1,5 +1,6 @@
 """The sweep report (table, CSV, plots; failed jobs included), the Optuna preset, and the seeds'
 diagnostics."""
+
 from __future__ import annotations
 
 import csv
@@ -15,7 +16,6 @@ from torch import nn
 
 from mixprec import diagnose, precision, report
 
-
 from conftest import ROOT, group, run_train
 
 CPU = torch.device("cpu")
@@ -28,8 +28,15 @@ def rows(sweep: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_multirun_writes_the_report_and_the_cli_reproduces_it(tmp_path):
-    proc = run_train(["-m", "precision=fp32,bf16", "trainer.max_steps=12", "trainer.perf_warmup_steps=2",
-                      f"hydra.sweep.dir={tmp_path}"])
+    proc = run_train(
+        [
+            "-m",
+            "precision=fp32,bf16",
+            "trainer.max_steps=12",
+            "trainer.perf_warmup_steps=2",
+            f"hydra.sweep.dir={tmp_path}",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = rows(tmp_path)
     assert [r["precision"] for r in table] == ["fp32", "bf16"]
@@ -40,8 +47,12 @@ def test_multirun_writes_the_report_and_the_cli_reproduces_it(tmp_path):
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # the wandb.Table run
     first = (tmp_path / "report.md").read_text()
     (tmp_path / "report.md").unlink()
-    cli = subprocess.run([sys.executable, "-m", "mixprec.report", str(tmp_path), "--no-wandb"],
-                         capture_output=True, text=True, cwd=ROOT)
+    cli = subprocess.run(
+        [sys.executable, "-m", "mixprec.report", str(tmp_path), "--no-wandb"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert cli.returncode == 0, cli.stderr
     assert (tmp_path / "report.md").read_text() == first
     assert "precision=bf16" in cli.stdout
@@ -49,8 +60,9 @@ def test_multirun_writes_the_report_and_the_cli_reproduces_it(tmp_path):
 
 @pytest.mark.slow
 def test_failed_jobs_are_failed_rows_and_the_sweep_goes_on(tmp_path):
-    proc = run_train(["-m", "batch=0,16", "trainer.max_steps=2", "logger=none",
-                      f"hydra.sweep.dir={tmp_path}"])
+    proc = run_train(
+        ["-m", "batch=0,16", "trainer.max_steps=2", "logger=none", f"hydra.sweep.dir={tmp_path}"]
+    )
     assert proc.returncode == 2  # the first failed job's exit code, once every job has run
     table = {r["run"]: r for r in rows(tmp_path)}
     assert table["batch=0"]["status"] == "failed"
@@ -62,14 +74,27 @@ def test_failed_jobs_are_failed_rows_and_the_sweep_goes_on(tmp_path):
 
 @pytest.mark.slow
 def test_optuna_preset_runs_two_trials(tmp_path):
-    proc = run_train(["experiment=optuna_throughput", "hydra.sweeper.n_trials=2",
-                      "model.compile=choice(false)", "batch=choice(16,32)", "trainer.max_steps=14",
-                      "trainer.perf_warmup_steps=2", "logger=none", f"hydra.sweep.dir={tmp_path}"])
+    proc = run_train(
+        [
+            "experiment=optuna_throughput",
+            "hydra.sweeper.n_trials=2",
+            "model.compile=choice(false)",
+            "batch=choice(16,32)",
+            "trainer.max_steps=14",
+            "trainer.perf_warmup_steps=2",
+            "logger=none",
+            f"hydra.sweep.dir={tmp_path}",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     import yaml
+
     result = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
     assert result["best_value"] > 0 and set(result["best_params"]) == {
-        "batch", "model.channels_last", "model.compile"}
+        "batch",
+        "model.channels_last",
+        "model.compile",
+    }
     assert len(rows(tmp_path)) == 2
 
 
@@ -81,7 +106,7 @@ def test_report_of_bare_dirs_is_a_clear_error(tmp_path):
 class Tiny(nn.Module):
     def __init__(self):
         super().__init__()
-        self.conv = nn.Conv2d(3, 5, 3, padding=1)   # 5 output channels: not tensor-core aligned
+        self.conv = nn.Conv2d(3, 5, 3, padding=1)  # 5 output channels: not tensor-core aligned
         self.fc = nn.Linear(5 * 4 * 4, 16)
 
     def forward(self, x):
@@ -111,6 +136,7 @@ def test_dtype_audit_and_alignment_on_a_tiny_model():
 
 def test_grad_histograms_see_true_not_scaled_gradients():
     from mixprec import loop
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
     x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
@@ -120,8 +146,9 @@ def test_grad_histograms_see_true_not_scaled_gradients():
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     amp = precision.build(group("precision", "amp"), group("scaler", init_scale=65536.0), CPU)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-    out = loop.train_step(loop.Learner(model, opt, sched, amp), [(x, y)], want_grad_norm=True,
-                          want_grads=True)
+    out = loop.train_step(
+        loop.Learner(model, opt, sched, amp), [(x, y)], want_grad_norm=True, want_grads=True
+    )
     assert out.grads.abs().max().item() == pytest.approx(true_max, rel=0.05)  # unscaled
     assert out.grads.numel() == sum(p.numel() for p in model.parameters())
 
@@ -130,8 +157,14 @@ def test_grad_histograms_see_true_not_scaled_gradients():
 def test_grad_histograms_are_taken_on_logged_steps_at_their_real_step(tmp_path):
     """diagnose=true: one histogram per logged step, at that step's number (never a skipped
     step's inf/nan gradients), continuing from the checkpoint's step after a resume."""
-    args = ["diagnose=true", "logger=none", "precision=amp", "trainer.log_every=4",
-            "scaler.init_scale=1e30", f"hydra.run.dir={tmp_path}"]  # the first steps overflow
+    args = [
+        "diagnose=true",
+        "logger=none",
+        "precision=amp",
+        "trainer.log_every=4",
+        "scaler.init_scale=1e30",
+        f"hydra.run.dir={tmp_path}",
+    ]  # the first steps overflow
     proc = run_train([*args, "trainer.max_steps=8"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     proc = run_train([*args, "trainer.max_steps=12", "resume=auto"])
@@ -145,22 +178,35 @@ def test_grad_histograms_are_taken_on_logged_steps_at_their_real_step(tmp_path):
 
 
 def test_loss_scale_plot(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": s, "amp/loss_scale": 2.0 ** (16 - s)}) + "\n" for s in range(1, 5)))
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": s, "amp/loss_scale": 2.0 ** (16 - s)}) + "\n" for s in range(1, 5)
+        )
+    )
     assert diagnose.loss_scale_plot(tmp_path).stat().st_size > 1000
 
 
 @pytest.mark.slow
 def test_diagnose_cli_prints_the_audit():
-    proc = subprocess.run([sys.executable, "-m", "mixprec.diagnose", "precision=bf16",
-                           "hardware=cpu"], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mixprec.diagnose", "precision=bf16", "hardware=cpu"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "## dtype audit (bf16)" in proc.stdout and "features.0" in proc.stdout
 
 
 @pytest.mark.slow
 def test_a_sweep_rerun_into_its_own_dir_fails_rather_than_reports_old_results(tmp_path):
-    args = ["-m", "precision=fp32", "trainer.max_steps=2", "logger=none", f"hydra.sweep.dir={tmp_path}"]
+    args = [
+        "-m",
+        "precision=fp32",
+        "trainer.max_steps=2",
+        "logger=none",
+        f"hydra.sweep.dir={tmp_path}",
+    ]
     assert run_train(args).returncode == 0
     again = run_train(args)
     assert again.returncode == 2, again.stderr[-2000:]  # refused: the dir holds a run

@@ -1,5 +1,6 @@
 """End to end: presets run, `python train.py` meets the run-dir contract, multirun makes one run
 dir and one W&B run per job."""
+
 from __future__ import annotations
 
 import json
@@ -11,13 +12,37 @@ from mixprec import run
 
 from conftest import group_options, run_train
 
-METRIC_KEYS = {"step", "epoch", "train/loss", "train/lr", "train/grad_norm", "amp/loss_scale",
-               "amp/skipped_steps", "perf/samples_per_s", "perf/step_ms", "mem/allocated_gib",
-               "mem/reserved_gib", "mem/peak_gib"}
+METRIC_KEYS = {
+    "step",
+    "epoch",
+    "train/loss",
+    "train/lr",
+    "train/grad_norm",
+    "amp/loss_scale",
+    "amp/skipped_steps",
+    "perf/samples_per_s",
+    "perf/step_ms",
+    "mem/allocated_gib",
+    "mem/reserved_gib",
+    "mem/peak_gib",
+}
 VAL_KEYS = {"step", "epoch", "val/loss", "val/acc1"}
-SUMMARY_KEYS = {"status", "precision", "batch", "accum", "effective_batch", "world_size", "steps",
-                "samples_per_s", "peak_mem_gib", "val_acc1", "skipped_steps", "loss_scale", "mfu",
-                "wall_s"}
+SUMMARY_KEYS = {
+    "status",
+    "precision",
+    "batch",
+    "accum",
+    "effective_batch",
+    "world_size",
+    "steps",
+    "samples_per_s",
+    "peak_mem_gib",
+    "val_acc1",
+    "skipped_steps",
+    "loss_scale",
+    "mfu",
+    "wall_s",
+}
 # Shrinks any preset to a CPU-sized smoke run (GPU presets included: needs_gpu=false).
 TINY = ["batch=2", "accum=1", "trainer.max_steps=2", "needs_gpu=false"]
 TINY_SYNTHETIC = ["data.shape=[3,32,32]", "data.num_classes=10", "data.val_steps=1"]
@@ -75,6 +100,7 @@ def test_a_wandb_failure_never_stops_training(cfg_factory, monkeypatch):
 
     def broken_init(*a, **k):
         raise ConnectionError("W&B is down")
+
     monkeypatch.setattr(wandb, "init", broken_init)
     cfg = cfg_factory("logger=wandb", "trainer.max_steps=3")
     with pytest.warns(RuntimeWarning, match="W&B init failed .*W&B is down"):
@@ -86,11 +112,24 @@ def test_a_wandb_failure_never_stops_training(cfg_factory, monkeypatch):
 
 def test_report_table_has_ratios_to_fp32(tmp_path):
     from mixprec import report
-    runs = [{"precision": "fp32", "status": "completed", "samples_per_s": 100.0,
-             "peak_mem_gib": 20.0, "max_batch": 288},
-            {"precision": "amp", "status": "completed", "samples_per_s": 250.0,
-             "peak_mem_gib": 10.0, "max_batch": 560},
-            {"precision": "bf16", "status": "failed"}]
+
+    runs = [
+        {
+            "precision": "fp32",
+            "status": "completed",
+            "samples_per_s": 100.0,
+            "peak_mem_gib": 20.0,
+            "max_batch": 288,
+        },
+        {
+            "precision": "amp",
+            "status": "completed",
+            "samples_per_s": 250.0,
+            "peak_mem_gib": 10.0,
+            "max_batch": 560,
+        },
+        {"precision": "bf16", "status": "failed"},
+    ]
     t = report.build_table(runs)
     assert t[1]["speedup_vs_fp32"] == 2.5 and t[1]["mem_saving_vs_fp32"] == 0.5
     assert t[1]["max_batch_vs_fp32"] == pytest.approx(560 / 288)
@@ -102,15 +141,27 @@ def test_mfu_is_reported_when_the_peak_is_known(cfg_factory):
     summary = run.run(cfg)
     rows = [r for r in read_jsonl(Path(cfg.run_dir) / "metrics.jsonl") if "perf/mfu" in r]
     assert 0 < summary["mfu"] < 1 and rows and all(0 < r["perf/mfu"] < 1 for r in rows)
-    assert run.run(cfg_factory("trainer.max_steps=2", "run_dir=" + str(Path(cfg.run_dir) / "x")))["mfu"] is None
+    assert (
+        run.run(cfg_factory("trainer.max_steps=2", "run_dir=" + str(Path(cfg.run_dir) / "x")))[
+            "mfu"
+        ]
+        is None
+    )
 
 
 def test_report_pools_seeds():
     from mixprec import report
-    runs = [{"run": f"precision={p},seed={s}", "status": "completed", "val_acc1": a,
-             "samples_per_s": 10.0 + s}
-            for p, accs in (("fp32", (0.9, 0.92, 0.94)), ("bf16", (0.8, 0.9, 1.0)))
-            for s, a in enumerate(accs)]
+
+    runs = [
+        {
+            "run": f"precision={p},seed={s}",
+            "status": "completed",
+            "val_acc1": a,
+            "samples_per_s": 10.0 + s,
+        }
+        for p, accs in (("fp32", (0.9, 0.92, 0.94)), ("bf16", (0.8, 0.9, 1.0)))
+        for s, a in enumerate(accs)
+    ]
     pooled = {g["config"]: g for g in report.seed_groups(runs)}
     assert pooled["precision=fp32"]["n"] == 3
     assert pooled["precision=fp32"]["val_acc1"] == pytest.approx((0.92, 0.02))

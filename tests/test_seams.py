@@ -3,6 +3,7 @@ plain keys under any wrapper; the build order; TensorBoard as a second sink, rea
 event files; the metric registry (every logged key declared, a new objective in one line);
 batch=auto's cache key from the resolved objects; builders without process-wide side effects;
 atomic writes."""
+
 from __future__ import annotations
 
 import json
@@ -11,10 +12,21 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from mixprec import build, checkpoint, files, loop, metrics, models, optim, precision, run
+from mixprec import (
+    build,
+    checkpoint,
+    compiling,
+    files,
+    layout,
+    loop,
+    metrics,
+    models,
+    optim,
+    precision,
+    run,
+)
 from mixprec.config import validate
 
 from conftest import ROOT, compose_cfg, group, run_train
@@ -26,16 +38,17 @@ QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.perf_warmup_ste
 def outside(*args: str, run_dir: Path):
     """train.py with tests/plugins on the module path and its conf/ on Hydra's search path: how
     a user adds a precision without touching mixprec."""
-    return run_train([f"hydra.searchpath=[file://{PLUGINS / 'conf'}]", *args,
-                      f"hydra.run.dir={run_dir}"],
-                     env_extra={"PYTHONPATH": os.pathsep.join([str(PLUGINS),
-                                                               os.environ.get("PYTHONPATH", "")])})
+    return run_train(
+        [f"hydra.searchpath=[file://{PLUGINS / 'conf'}]", *args, f"hydra.run.dir={run_dir}"],
+        env_extra={"PYTHONPATH": os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])},
+    )
 
 
 @pytest.mark.slow
 def test_a_precision_defined_outside_src_trains_with_train_py(tmp_path):
-    proc = outside("precision=pure_bf16", "logger=none", "diagnose=true", *QUICK,
-                   run_dir=tmp_path / "ok")
+    proc = outside(
+        "precision=pure_bf16", "logger=none", "diagnose=true", *QUICK, run_dir=tmp_path / "ok"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "ok" / "summary.json").read_text())
     assert (summary["status"], summary["precision"]) == ("completed", "pure_bf16")
@@ -45,41 +58,41 @@ def test_a_precision_defined_outside_src_trains_with_train_py(tmp_path):
     audit = json.loads((tmp_path / "ok" / "diagnose.json").read_text())
     assert audit["converted"] == [{"module": "head.2", "dtype": "bfloat16-weights"}]
     bad = outside("precision=pure_bf16", "precision.min_features=0", run_dir=tmp_path / "bad")
-    assert bad.returncode == 2 and "precision.min_features=0 is not allowed" in bad.stdout + bad.stderr
+    assert (
+        bad.returncode == 2 and "precision.min_features=0 is not allowed" in bad.stdout + bad.stderr
+    )
     typo = outside("precision=pure_bf16", "+precision.min_feature=8", run_dir=tmp_path / "typo")
     assert typo.returncode == 2 and "did you mean min_features" in typo.stdout + typo.stderr
 
 
 def test_a_precision_plugin_that_cannot_be_imported_is_a_config_error():
     from mixprec.errors import ConfigError
+
     with pytest.raises(ConfigError, match="precision.plugin='no_such_module' cannot be imported"):
         validate(compose_cfg(["precision.plugin=no_such_module"]))
     with pytest.raises(ConfigError, match="is not a precision plugin"):
         validate(compose_cfg(["precision.plugin=mixprec.errors"]))
 
 
-@pytest.fixture
-def gloo_world_of_one(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def test_checkpoint_keys_are_plain_under_ddp_and_compile_in_any_nesting(gloo_world_of_one,
-                                                                        tmp_path):
+def test_checkpoint_keys_are_plain_under_ddp_and_compile_in_any_nesting(
+    gloo_world_of_one, tmp_path
+):
     """DDP over a compiled model and a compiled DDP (what build.assemble makes): unwrap peels
     every wrapper, and a checkpoint loads into the plain model."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     plain = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
-    for wrapped in (torch.compile(DDP(plain)), DDP(torch.compile(plain)),
-                    torch.compile(DDP(torch.compile(plain)))):
+    for wrapped in (
+        torch.compile(DDP(plain)),
+        DDP(torch.compile(plain)),
+        torch.compile(DDP(torch.compile(plain))),
+    ):
         assert models.unwrap(wrapped) is plain
         opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
         prec = precision.build(group("precision", "fp32"), group("scaler"), torch.device("cpu"))
-        learner = loop.Learner(wrapped, opt, optim.build_scheduler(group("scheduler"), opt, 2),
-                               prec)
+        learner = loop.Learner(
+            wrapped, opt, optim.build_scheduler(group("scheduler"), opt, 2), prec
+        )
         path = checkpoint.save(tmp_path / "last.pt", learner, loop.TrainState(), {"model": {}})
         keys = list(torch.load(path, weights_only=True)["model"])
         assert keys == ["0.weight", "0.bias", "2.weight", "2.bias"]
@@ -88,11 +101,13 @@ def test_checkpoint_keys_are_plain_under_ddp_and_compile_in_any_nesting(gloo_wor
 
 
 def test_the_build_order_converts_before_the_wrap_and_the_optimizer_sees_the_result(
-        gloo_world_of_one):
+    gloo_world_of_one,
+):
     """assemble: model, the precision's conversion, the parallel wrap, compile, the optimizer
     (over the parameters the model ends up with: FSDP2 will replace them in the wrap)."""
-    from mixprec.distributed import Dist
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from mixprec.distributed import Dist
 
     c = validate(compose_cfg(["model=digits_mlp", "hardware=cpu", "model.compile=true"]))
     order = []
@@ -105,9 +120,15 @@ def test_the_build_order_converts_before_the_wrap_and_the_optimizer_sees_the_res
     prec = precision.build(c.precision, c.scaler, torch.device("cpu"))
     prec = Recording(prec.cfg, "cpu", prec.scaler, guard_bn_stats=False)
     world2 = Dist(rank=0, local_rank=0, world=2)  # wrap as a data-parallel run does
-    model, opt = build.assemble(c, prec, build.Spec(10, (1, 8, 8), 4), torch.device("cpu"),
-                                world2, 0.1, inspect=lambda m: order.append(("inspect",
-                                                                             type(m).__name__)))
+    model, opt = build.assemble(
+        c,
+        prec,
+        build.Spec(10, (1, 8, 8), 4),
+        torch.device("cpu"),
+        world2,
+        0.1,
+        inspect=lambda m: order.append(("inspect", type(m).__name__)),
+    )
     assert order == [("convert", "DigitsMLP"), ("inspect", "DigitsMLP")]
     assert isinstance(model._orig_mod, DDP)  # compile wraps the parallel module
     params = {id(p) for g in opt.param_groups for p in g["params"]}
@@ -129,24 +150,33 @@ def test_tensorboard_receives_what_metrics_jsonl_holds(tmp_path, logger):
         got = [(e.step, e.value) for e in events.Scalars(key)]
         assert [s for s, _ in got] == [s for s, _ in want] and want
         assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6)
-    assert "summary" in events.Tags()["tensors"] or "summary/text_summary" in events.Tags()["tensors"]
+    assert (
+        "summary" in events.Tags()["tensors"] or "summary/text_summary" in events.Tags()["tensors"]
+    )
     assert (tmp_path / "wandb").is_dir() == ("wandb" in logger)
     assert (tmp_path / "wandb.json").exists() == ("wandb" in logger)
 
 
 def test_a_logger_key_no_chosen_sink_reads_is_a_config_error():
     from mixprec.errors import ConfigError
-    with pytest.raises(ConfigError, match=r"logger.project is not read by the chosen loggers "
-                                          r"\(tensorboard\)"):
+
+    with pytest.raises(
+        ConfigError,
+        match=r"logger.project is not read by the chosen loggers "
+        r"\(tensorboard\)",
+    ):
         validate(compose_cfg(["logger=tensorboard", "+logger.project=x"]))
     assert validate(compose_cfg(["logger=none"])).logger.names == []
     assert validate(compose_cfg(["logger=[wandb,tensorboard]"])).logger.names == [
-        "wandb", "tensorboard"]
+        "wandb",
+        "tensorboard",
+    ]
 
 
 def test_every_key_a_run_logs_is_declared_in_the_metric_registry(cfg_factory):
-    cfg = cfg_factory("precision=amp", "diagnose=true", "trainer.max_steps=6",
-                      "trainer.log_every=2")
+    cfg = cfg_factory(
+        "precision=amp", "diagnose=true", "trainer.max_steps=6", "trainer.log_every=2"
+    )
     out = run.run(cfg)
     rows = [json.loads(r) for r in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
     logged = {k for r in rows for k in r} - {"step"}
@@ -157,15 +187,20 @@ def test_every_key_a_run_logs_is_declared_in_the_metric_registry(cfg_factory):
 
 
 def test_val_acc5_as_an_objective_is_one_registry_line(cfg_factory, monkeypatch):
-    monkeypatch.setattr(metrics, "METRICS", [
-        *metrics.METRICS,
-        metrics.Metric("val/acc5", "val_acc5", goal="max", batch_sum=metrics.correct(5)),
-    ])
+    monkeypatch.setattr(
+        metrics,
+        "METRICS",
+        [
+            *metrics.METRICS,
+            metrics.Metric("val/acc5", "val_acc5", goal="max", batch_sum=metrics.correct(5)),
+        ],
+    )
     cfg = cfg_factory("objective=val_acc5", "trainer.max_steps=6")
     out = run.run(cfg)
     assert 0 < out["val_acc1"] <= out["val_acc5"] <= 1
     assert run.main(cfg_factory("objective=val_acc5", "trainer.max_steps=6")) == pytest.approx(
-        out["val_acc5"])  # what a sweeper optimises
+        out["val_acc5"]
+    )  # what a sweeper optimises
 
 
 def test_batch_auto_cache_keys_tell_apart_precisions_that_share_an_autocast_dtype():
@@ -176,14 +211,17 @@ def test_batch_auto_cache_keys_tell_apart_precisions_that_share_an_autocast_dtyp
     for name in ("bf16", "fp8", "fp8_rowwise", "amp", "amp_accum"):
         c = validate(compose_cfg([f"precision={name}", "model=resnet18"]))
         prec = precision.build(c.precision, c.scaler, torch.device("cpu"), check_device=False)
-        keys[name] = json.dumps(build.memory_key(c, prec, (1000, 3, 224, 224), "GPU", 24.0),
-                                sort_keys=True)
+        keys[name] = json.dumps(
+            layout.memory_key(c, prec, (1000, 3, 224, 224), "GPU", 24.0), sort_keys=True
+        )
     assert len({keys[n] for n in ("bf16", "fp8", "fp8_rowwise", "amp")}) == 4
     assert keys["amp"] == keys["amp_accum"]
     c = validate(compose_cfg(["precision=bf16", "model=resnet18", "model.grad_checkpointing=true"]))
     prec = precision.build(c.precision, c.scaler, torch.device("cpu"))
-    assert json.dumps(build.memory_key(c, prec, (1000, 3, 224, 224), "GPU", 24.0),
-                      sort_keys=True) != keys["bf16"]
+    assert (
+        json.dumps(layout.memory_key(c, prec, (1000, 3, 224, 224), "GPU", 24.0), sort_keys=True)
+        != keys["bf16"]
+    )
 
 
 def test_builders_leave_process_settings_alone():
@@ -193,10 +231,10 @@ def test_builders_leave_process_settings_alone():
     key = "recompile_limit" if hasattr(limits, "recompile_limit") else "cache_size_limit"
     before = getattr(limits, key)
     net = nn.Sequential(nn.Sequential(*[nn.Sequential(nn.Linear(4, 4)) for _ in range(80)]))
-    models.compile_blocks(net, "net", None, {})
+    compiling.compile_blocks(net, "net", None, {})
     assert getattr(limits, key) == before
     c = validate(compose_cfg(["model.compile=true", "model.compile_scope=blocks"]))
-    assert build.process_settings(c, c.hardware).recompile_limit == models.BLOCK_RECOMPILE_LIMIT
+    assert build.process_settings(c, c.hardware).recompile_limit == compiling.BLOCK_RECOMPILE_LIMIT
     assert build.process_settings(validate(compose_cfg([])), c.hardware).recompile_limit is None
 
 
@@ -207,6 +245,7 @@ def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temp(tmp_path):
     def broken(f):
         f.write(b'{"status": ')
         raise OSError(28, "No space left on device")
+
     with pytest.raises(OSError, match="No space"):
         files.write_atomic(path, broken)
     assert json.loads(path.read_text()) == {"status": "completed"}

@@ -3,6 +3,7 @@
 hydra-submitit-launcher. A job that hits its time limit gets SIGUSR2 before it, checkpoints, is
 requeued and resumes to end bit-identical to an uninterrupted run; scancel leaves `preempted`;
 two nodes train as one data-parallel job. Skipped where no cluster answers."""
+
 from __future__ import annotations
 
 import json
@@ -21,12 +22,22 @@ from conftest import ROOT, run_train
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 # one CPU per task and one thread, so that a job and the local reference compute alike
-LAUNCH = ["hydra/launcher=slurm", "hydra.launcher.partition=debug",
-          "hydra.launcher.gpus_per_node=0", "hydra.launcher.tasks_per_node=1",
-          "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=2"]
+LAUNCH = [
+    "hydra/launcher=slurm",
+    "hydra.launcher.partition=debug",
+    "hydra.launcher.gpus_per_node=0",
+    "hydra.launcher.tasks_per_node=1",
+    "hydra.launcher.cpus_per_task=1",
+    "hydra.launcher.mem_gb=2",
+]
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-TRAIN = ["logger=none", "hardware=cpu", "trainer.max_steps=1200", "ckpt.every_steps=100",
-         "trainer.log_every=100"]
+TRAIN = [
+    "logger=none",
+    "hardware=cpu",
+    "trainer.max_steps=1200",
+    "ckpt.every_steps=100",
+    "trainer.log_every=100",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -34,8 +45,10 @@ def cluster():
     """Skip without a cluster, unless MIXPREC_REQUIRE_SLURM is set (CI): then fail."""
     missing = pytest.fail if os.environ.get("MIXPREC_REQUIRE_SLURM") else pytest.skip
     if not shutil.which("sinfo") or "SLURM_CONF" not in os.environ:
-        missing("no local SLURM cluster: `bash tests/slurm_cluster.sh start` (root, apt), "
-                "then export SLURM_CONF=/tmp/mixprec-slurm/slurm.conf")
+        missing(
+            "no local SLURM cluster: `bash tests/slurm_cluster.sh start` (root, apt), "
+            "then export SLURM_CONF=/tmp/mixprec-slurm/slurm.conf"
+        )
     up = subprocess.run(["sinfo", "-h", "-o", "%D %t"], capture_output=True, text=True)
     if up.returncode:
         missing(f"the SLURM cluster does not answer: {up.stderr.strip()}")
@@ -56,9 +69,14 @@ def job_logs(sweep: Path) -> str:
 def launch(args: list[str], sweep: Path) -> subprocess.Popen:
     """`python train.py -m ...` in the background (it waits for its SLURM jobs)."""
     env = {**os.environ, **ONE_THREAD, "WANDB_MODE": "offline"}
-    return subprocess.Popen([sys.executable, "train.py", "-m", *LAUNCH, *args,
-                             f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "train.py", "-m", *LAUNCH, *args, f"hydra.sweep.dir={sweep}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def job_training(sweep: Path, launcher: subprocess.Popen) -> str:
@@ -79,11 +97,20 @@ def test_the_time_limit_signal_checkpoints_requeues_and_resumes_bit_identical(tm
     hands the signal to submitit, which requeues the job; it resumes with resume=auto and ends
     with the weights of an uninterrupted run, bit for bit."""
     sweep, ref = tmp_path / "sweep", tmp_path / "reference"
-    launcher = launch(["hydra.launcher.timeout_min=10", "hydra.launcher.signal_delay_s=120",
-                       "resume=auto", *TRAIN], sweep)
+    launcher = launch(
+        [
+            "hydra.launcher.timeout_min=10",
+            "hydra.launcher.signal_delay_s=120",
+            "resume=auto",
+            *TRAIN,
+        ],
+        sweep,
+    )
     job = job_training(sweep, launcher)
-    assert "#SBATCH --signal=USR2@120" in (sweep / ".submitit" / job / f"{job}_submission.sh"
-                                           ).read_text()
+    assert (
+        "#SBATCH --signal=USR2@120"
+        in (sweep / ".submitit" / job / f"{job}_submission.sh").read_text()
+    )
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
     out, _ = launcher.communicate(timeout=600)
     assert launcher.returncode == 0, out[-4000:]
@@ -100,8 +127,7 @@ def test_the_time_limit_signal_checkpoints_requeues_and_resumes_bit_identical(tm
 
 def test_scancel_leaves_a_preempted_run_with_a_checkpoint(tmp_path):
     sweep = tmp_path / "sweep"
-    launcher = launch(["hydra.launcher.timeout_min=10", *TRAIN, "trainer.max_steps=100000"],
-                      sweep)
+    launcher = launch(["hydra.launcher.timeout_min=10", *TRAIN, "trainer.max_steps=100000"], sweep)
     subprocess.run(["scancel", job_training(sweep, launcher)], check=True)
     out, _ = launcher.communicate(timeout=180)
     s = summary(sweep / "0")
@@ -113,11 +139,28 @@ def test_two_nodes_train_as_one_data_parallel_job(tmp_path):
     """hydra.launcher.nodes=2 (one task per node): only global rank 0 writes the run dir, and
     the losses equal one process with the same global batch."""
     sweep, single = tmp_path / "sweep", tmp_path / "single"
-    common = ["model=digits_mlp", "trainer.max_steps=6", "trainer.log_every=1", "hardware=cpu",
-              "scheduler=constant", "logger=none", "accum=2"]
-    proc = run_train(["-m", *LAUNCH, "hydra.launcher.nodes=2", "hydra.launcher.timeout_min=5",
-                      *common, "batch=16", f"hydra.sweep.dir={sweep}"],
-                     env_extra=ONE_THREAD, timeout=600)
+    common = [
+        "model=digits_mlp",
+        "trainer.max_steps=6",
+        "trainer.log_every=1",
+        "hardware=cpu",
+        "scheduler=constant",
+        "logger=none",
+        "accum=2",
+    ]
+    proc = run_train(
+        [
+            "-m",
+            *LAUNCH,
+            "hydra.launcher.nodes=2",
+            "hydra.launcher.timeout_min=5",
+            *common,
+            "batch=16",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        env_extra=ONE_THREAD,
+        timeout=600,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     s = summary(sweep / "0")
     assert (s["world_size"], s["effective_batch"]) == (2, 64)
@@ -127,4 +170,5 @@ def test_two_nodes_train_as_one_data_parallel_job(tmp_path):
     def losses(d: Path) -> list[float]:
         rows = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
         return [r["train/loss"] for r in rows if "train/loss" in r]
+
     torch.testing.assert_close(losses(sweep / "0"), losses(single), rtol=1e-5, atol=1e-6)

@@ -1,6 +1,7 @@
 """The speed switches on the CPU: torch.compile on a tiny model, channels_last end to end, the
 CUDA-graph switch's checks, the loader's prefetch path and the optimizer kernel choice.
 (Their speed is measured by benchmarks/bare_vs_train.py on a GPU, not here.)"""
+
 from __future__ import annotations
 
 import contextlib
@@ -11,15 +12,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixprec import models, optim, run
+from mixprec import compiling, models, optim, run
 from mixprec.config import validate
 from mixprec.data.loaders import prefetch, prefetch_in_thread
 from mixprec.errors import ConfigError
 
 from conftest import group
 
-SYNTH = ["data=synthetic", "data.shape=[3,16,16]", "data.num_classes=10", "batch=8",
-         "model=resnet18", "trainer.max_steps=3"]
+SYNTH = [
+    "data=synthetic",
+    "data.shape=[3,16,16]",
+    "data.num_classes=10",
+    "batch=8",
+    "model=resnet18",
+    "trainer.max_steps=3",
+]
 
 
 def losses(cfg) -> list[float]:
@@ -29,26 +36,38 @@ def losses(cfg) -> list[float]:
 
 def test_compile_trains_a_tiny_model_like_eager(cfg_factory, tmp_path):
     eager = cfg_factory("model=digits_mlp", "trainer.max_steps=3", "+model.kwargs.width=16")
-    compiled = cfg_factory("model=digits_mlp", "trainer.max_steps=3", "+model.kwargs.width=16",
-                           "model.compile=true", f"run_dir={tmp_path / 'compiled'}")
+    compiled = cfg_factory(
+        "model=digits_mlp",
+        "trainer.max_steps=3",
+        "+model.kwargs.width=16",
+        "model.compile=true",
+        f"run_dir={tmp_path / 'compiled'}",
+    )
     run.run(eager)
     s = run.run(compiled)
     assert s["status"] == "completed" and s["steps"] == 3
     assert losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
 
 
-def test_compile_options_sit_on_top_of_the_mode_and_bad_keys_are_named(cfg_factory, tmp_path,
-                                                                       monkeypatch):
+def test_compile_options_sit_on_top_of_the_mode_and_bad_keys_are_named(
+    cfg_factory, tmp_path, monkeypatch
+):
     seen = {}
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda m, **kw: seen.update(kw) or real(m, **kw))
-    c = cfg_factory("model=digits_mlp", "trainer.max_steps=3", "+model.kwargs.width=16",
-                    "model.compile=true", "model.compile_mode=reduce-overhead",
-                    "+model.compile_options.conv_1x1_as_mm=true", f"run_dir={tmp_path / 'o'}")
+    c = cfg_factory(
+        "model=digits_mlp",
+        "trainer.max_steps=3",
+        "+model.kwargs.width=16",
+        "model.compile=true",
+        "model.compile_mode=reduce-overhead",
+        "+model.compile_options.conv_1x1_as_mm=true",
+        f"run_dir={tmp_path / 'o'}",
+    )
     assert run.run(c)["status"] == "completed"
     assert seen == {"options": {"triton.cudagraphs": True, "conv_1x1_as_mm": True}}
     with pytest.raises(ConfigError, match="model.compile_options: Unexpected .*no_such_option"):
-        models.compile_model(torch.nn.Linear(2, 2), None, {"no_such_option": True})
+        compiling.compile_model(torch.nn.Linear(2, 2), None, {"no_such_option": True})
 
 
 def test_the_fast_preset_tunes_its_kernels_and_the_tuning_can_be_switched_off(cfg_factory):
@@ -56,34 +75,57 @@ def test_the_fast_preset_tunes_its_kernels_and_the_tuning_can_be_switched_off(cf
     graphs, with option keys this torch accepts (a renamed key would stop the preset only on the
     GPU, minutes into compiling); the documented off switch composes and turns it off."""
     c = validate(cfg_factory("experiment=fast"))
-    options = models.compile_kwargs(c.model.compile_mode, dict(c.model.compile_options))["options"]
+    options = compiling.compile_kwargs(c.model.compile_mode, dict(c.model.compile_options))[
+        "options"
+    ]
     assert options["coordinate_descent_tuning"] is True and options["triton.cudagraphs"] is True
-    models.compile_model(torch.nn.Linear(2, 2), c.model.compile_mode,
-                         dict(c.model.compile_options))  # an unknown key raises ConfigError
-    off = validate(cfg_factory("experiment=fast",
-                               "model.compile_options.coordinate_descent_tuning=false"))
-    assert models.compile_kwargs(off.model.compile_mode, dict(off.model.compile_options))[
-        "options"]["coordinate_descent_tuning"] is False
+    compiling.compile_model(
+        torch.nn.Linear(2, 2), c.model.compile_mode, dict(c.model.compile_options)
+    )  # an unknown key raises ConfigError
+    off = validate(
+        cfg_factory("experiment=fast", "model.compile_options.coordinate_descent_tuning=false")
+    )
+    assert (
+        compiling.compile_kwargs(off.model.compile_mode, dict(off.model.compile_options))[
+            "options"
+        ]["coordinate_descent_tuning"]
+        is False
+    )
 
 
 def test_compile_options_are_unused_not_an_error_without_compile(cfg_factory, caplog):
     """`experiment=fast model.compile=false` (the preset's eager baseline) must run although the
     preset sets inductor options: they are unused, and the log says so; nothing is compiled."""
-    c = validate(cfg_factory("model=digits_mlp", "+model.kwargs.width=16",
-                             "+model.compile_options.conv_1x1_as_mm=true"))
+    c = validate(
+        cfg_factory(
+            "model=digits_mlp",
+            "+model.kwargs.width=16",
+            "+model.compile_options.conv_1x1_as_mm=true",
+        )
+    )
     with caplog.at_level("INFO", logger="mixprec.models"):
-        model = models.compiled(models.build(c.model, 10, (1, 8, 8), torch.device("cpu")), c.model)
+        model = compiling.compiled(
+            models.build(c.model, 10, (1, 8, 8), torch.device("cpu")), c.model
+        )
     assert not hasattr(model, "_orig_mod")  # not an OptimizedModule
-    assert "model.compile=false: model.compile_options {'conv_1x1_as_mm': True} unused" in caplog.text
+    assert (
+        "model.compile=false: model.compile_options {'conv_1x1_as_mm': True} unused" in caplog.text
+    )
 
 
-POOLS = [((3, 2, 1), {}), ((2,), {}), ((3, 2), {"ceil_mode": True}), ((3, 1, 1), {}),
-         ((2, 3, 1), {"ceil_mode": True})]
+POOLS = [
+    ((3, 2, 1), {}),
+    ((2,), {}),
+    ((3, 2), {"ceil_mode": True}),
+    ((3, 1, 1), {}),
+    ((2, 3, 1), {"ceil_mode": True}),
+]
 
 
 def pool_pair(args, kw, x):
     """nn.MaxPool2d's and TritonMaxPool2d's outputs and input gradients for one input."""
     from mixprec.ops import TritonMaxPool2d
+
     got = []
     for pool in (torch.nn.MaxPool2d(*args, **kw), TritonMaxPool2d(*args, **kw)):
         xi = x.clone().requires_grad_()
@@ -131,19 +173,31 @@ print("ok")
 """)
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, str(script)], env={**os.environ, "TRITON_INTERPRET": "1"},
-                       capture_output=True, text=True, timeout=600)
+
+    r = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("args,kw,fmt", [
-    *((args, kw, torch.channels_last) for args, kw in POOLS),
-    ((3, 2, 1), {}, torch.contiguous_format), ((3, 2), {"dilation": 2}, torch.channels_last)])
+@pytest.mark.parametrize(
+    "args,kw,fmt",
+    [
+        *((args, kw, torch.channels_last) for args, kw in POOLS),
+        ((3, 2, 1), {}, torch.contiguous_format),
+        ((3, 2), {"dilation": 2}, torch.channels_last),
+    ],
+)
 def test_triton_max_pool_op_is_nn_max_pool_and_inductor_leaves_it_alone(args, kw, fmt):
     """The op's aten path (CPU, NCHW, dilation) gives nn.MaxPool2d's output and gradient through
     its int8 window offsets, eager and compiled; the compiled forward and backward call the op
     instead of an inductor kernel."""
     from torch._inductor.utils import run_and_get_code
+
     from mixprec.ops import TritonMaxPool2d
 
     x = torch.randn(2, 8, 15, 13).contiguous(memory_format=fmt)
@@ -167,19 +221,29 @@ def test_triton_max_pool_op_is_nn_max_pool_and_inductor_leaves_it_alone(args, kw
 
 def test_triton_max_pool_swap_keeps_windows_its_int8_offsets_cannot_address():
     from mixprec.ops import TritonMaxPool2d, use_triton_max_pool
-    model = torch.nn.Sequential(torch.nn.MaxPool2d(3, 2, 1), torch.nn.MaxPool2d((11, 11)),
-                                torch.nn.MaxPool2d(12), torch.nn.MaxPool2d(2, return_indices=True))
+
+    model = torch.nn.Sequential(
+        torch.nn.MaxPool2d(3, 2, 1),
+        torch.nn.MaxPool2d((11, 11)),
+        torch.nn.MaxPool2d(12),
+        torch.nn.MaxPool2d(2, return_indices=True),
+    )
     assert use_triton_max_pool(model) == 2
-    assert [type(m) for m in model] == [TritonMaxPool2d, TritonMaxPool2d, torch.nn.MaxPool2d,
-                                        torch.nn.MaxPool2d]
+    assert [type(m) for m in model] == [
+        TritonMaxPool2d,
+        TritonMaxPool2d,
+        torch.nn.MaxPool2d,
+        torch.nn.MaxPool2d,
+    ]
     x = torch.randn(1, 2, 23, 23, requires_grad=True)
     (g_ours,) = torch.autograd.grad(model[1](x).sum(), x)  # offsets up to 120
     (g_aten,) = torch.autograd.grad(torch.nn.functional.max_pool2d(x, 11).sum(), x)
     assert torch.equal(g_ours, g_aten)
 
 
-def test_triton_max_pool_switch_swaps_the_pools_and_trains_like_the_default(cfg_factory,
-                                                                           tmp_path, caplog):
+def test_triton_max_pool_switch_swaps_the_pools_and_trains_like_the_default(
+    cfg_factory, tmp_path, caplog
+):
     base = ["model=digits_cnn", "trainer.max_steps=3", "+model.kwargs.width=8"]
     plain = cfg_factory(*base)
     ours = cfg_factory(*base, "model.triton_max_pool=true", f"run_dir={tmp_path / 'ours'}")
@@ -204,8 +268,9 @@ def test_counting_flops_does_not_compile_the_model_for_another_shape():
         return gm.forward
 
     torch._dynamo.reset()
-    eager = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(),
-                                torch.nn.Linear(4 * 6 * 6, 10))
+    eager = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 10)
+    )
     compiled = torch.compile(eager, backend=backend)
     cpu = torch.device("cpu")
     flops = perf.train_flops(compiled, (3, 8, 8), 10, cpu, contextlib.nullcontext)[0]
@@ -221,6 +286,7 @@ def test_channels_last_reaches_the_model_and_its_inputs(cfg_factory):
     assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
     assert not model.conv1.weight.is_contiguous()
     from mixprec import data
+
     d = data.build(c.data, data.Context(8, torch.device("cpu"), 0, channels_last=True))
     x, _ = next(iter(d.train))
     assert x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
@@ -235,13 +301,15 @@ def test_cuda_graphs_needs_a_gpu_and_excludes_compile(cfg_factory):
 
 
 def test_prefetch_stages_every_batch_in_order():
-    staged = list(prefetch(iter([(1, 2), (3, 4), (5, 6)]), lambda b: (b[0] * 10, b[1]),
-                           torch.device("cpu")))
+    staged = list(
+        prefetch(iter([(1, 2), (3, 4), (5, 6)]), lambda b: (b[0] * 10, b[1]), torch.device("cpu"))
+    )
     assert staged == [(10, 2), (30, 4), (50, 6)]
 
 
 def test_staging_thread_keeps_order_stays_bounded_and_raises_errors():
     import threading
+
     seen = []
 
     def source():
@@ -254,8 +322,10 @@ def test_staging_thread_keeps_order_stays_bounded_and_raises_errors():
     assert len(seen) <= 3 + 2 + 1  # yielded + queued + one being staged: bounded read-ahead
     gen.close()  # a run that stops mid-epoch: the thread must end, not leak
     assert not any(t.name == "mixprec-stage" for t in threading.enumerate())
-    assert list(prefetch_in_thread(iter([(1, 2), (3, 4)]), lambda b: b, torch.device("cpu"))) \
-        == [(1, 2), (3, 4)]
+    assert list(prefetch_in_thread(iter([(1, 2), (3, 4)]), lambda b: b, torch.device("cpu"))) == [
+        (1, 2),
+        (3, 4),
+    ]
 
     def bad(_b):
         raise ConfigError("unreadable image x.jpg")
@@ -277,10 +347,12 @@ def test_optimizer_kernels_follow_the_config():
 
 def sgd_under_a_scaler(fused: bool, overflow_at=(0, 3), steps=6):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(),
-                                torch.nn.Linear(8 * 6 * 6, 4))
-    opt = optim.build_optimizer(group("optimizer", "sgd", fused=fused, foreach=not fused),
-                                model, 0.1, torch.device("cpu"))
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 4)
+    )
+    opt = optim.build_optimizer(
+        group("optimizer", "sgd", fused=fused, foreach=not fused), model, 0.1, torch.device("cpu")
+    )
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     for step in range(steps):
         garbage = torch.full((8 * 6 * 6 * 4 + 64,), 1e30)  # freed memory that empty_like may reuse
@@ -311,6 +383,7 @@ def test_fused_sgd_under_a_scaler_skipping_its_first_step_trains_exactly_like_fo
 
 def test_batch_search_leaves_cudnn_benchmark_as_it_was_even_on_error():
     from mixprec import hardware
+
     before = torch.backends.cudnn.benchmark
     try:
         torch.backends.cudnn.benchmark = True
@@ -323,12 +396,18 @@ def test_batch_search_leaves_cudnn_benchmark_as_it_was_even_on_error():
         torch.backends.cudnn.benchmark = before
 
 
-@pytest.mark.parametrize("name,block,count", [("resnet18", "BasicBlock", 8),
-                                              ("convnext_tiny", "ConvNeXtBlock", 18),
-                                              ("vit_small_patch16_224", "Block", 12)])
+@pytest.mark.parametrize(
+    "name,block,count",
+    [
+        ("resnet18", "BasicBlock", 8),
+        ("convnext_tiny", "ConvNeXtBlock", 18),
+        ("vit_small_patch16_224", "Block", 12),
+    ],
+)
 def test_the_repeated_blocks_of_timm_models_are_found(name, block, count):
     import timm
-    blocks = models.repeated_blocks(timm.create_model(name, num_classes=10))
+
+    blocks = compiling.repeated_blocks(timm.create_model(name, num_classes=10))
     assert len(blocks) == count and {type(b).__name__ for b in blocks} == {block}
 
 
@@ -336,12 +415,20 @@ def test_blocks_scope_compiles_in_place_and_trains_like_eager(cfg_factory, tmp_p
     """model.compile_scope=blocks: identical blocks compile to one graph, the same losses as
     eager, the checkpoint's keys unchanged
     (no `_orig_mod.`), and a model without repeated blocks is a config error naming the key."""
-    vit = [*SYNTH, "data.shape=[3,32,32]", "model=vit_small", "model.name=vit_tiny_patch16_224",
-           "+model.kwargs.img_size=32", "+model.kwargs.depth=3"]  # 3 blocks: one compiled graph
+    vit = [
+        *SYNTH,
+        "data.shape=[3,32,32]",
+        "model=vit_small",
+        "model.name=vit_tiny_patch16_224",
+        "+model.kwargs.img_size=32",
+        "+model.kwargs.depth=3",
+    ]  # 3 blocks: one compiled graph
     eager = cfg_factory(*vit)
-    blocks = cfg_factory(*vit, "model.compile=true", "model.compile_scope=blocks",
-                         f"run_dir={tmp_path / 'blocks'}")
+    blocks = cfg_factory(
+        *vit, "model.compile=true", "model.compile_scope=blocks", f"run_dir={tmp_path / 'blocks'}"
+    )
     from torch._dynamo.utils import counters
+
     run.run(eager)
     torch._dynamo.reset()
     counters.clear()
@@ -349,15 +436,30 @@ def test_blocks_scope_compiles_in_place_and_trains_like_eager(cfg_factory, tmp_p
     # one graph for training and one for evaluation, shared by the three blocks (not one each)
     assert counters["stats"]["unique_graphs"] == 2
     assert losses(blocks) == pytest.approx(losses(eager), rel=1e-3)
-    keys = [set(torch.load(Path(c.run_dir) / "checkpoints" / "last.pt",
-                           weights_only=True)["model"]) for c in (eager, blocks)]
+    keys = [
+        set(torch.load(Path(c.run_dir) / "checkpoints" / "last.pt", weights_only=True)["model"])
+        for c in (eager, blocks)
+    ]
     assert keys[0] == keys[1]
-    with pytest.raises(ConfigError, match="compile_scope=blocks: model.name='mixprec_digits_mlp' "
-                                          "has no repeated blocks"):
-        run.run(cfg_factory("model=digits_mlp", "model.compile=true",
-                            "model.compile_scope=blocks", f"run_dir={tmp_path / 'mlp'}"))
+    with pytest.raises(
+        ConfigError,
+        match="compile_scope=blocks: model.name='mixprec_digits_mlp' has no repeated blocks",
+    ):
+        run.run(
+            cfg_factory(
+                "model=digits_mlp",
+                "model.compile=true",
+                "model.compile_scope=blocks",
+                f"run_dir={tmp_path / 'mlp'}",
+            )
+        )
     with pytest.raises(ConfigError, match="model.compile_scope.*'layers'.*model, blocks"):
         validate(cfg_factory("model.compile_scope=layers"))
     with pytest.raises(ConfigError, match="model.compile_scope.*compile_mode=reduce-overhead"):
-        validate(cfg_factory("model.compile=true", "model.compile_scope=blocks",
-                             "model.compile_mode=reduce-overhead"))
+        validate(
+            cfg_factory(
+                "model.compile=true",
+                "model.compile_scope=blocks",
+                "model.compile_mode=reduce-overhead",
+            )
+        )

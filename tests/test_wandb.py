@@ -2,6 +2,7 @@
 uploads: the config that ran, history without nulls, a summary equal to summary.json, dated
 groups, the sweep's report run beside its jobs, new ids for runs started from another run, one
 run per DDP job; and W&B never prompts and never stops training."""
+
 from __future__ import annotations
 
 import datetime
@@ -14,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from test_run import check_run_dir
 
 import wandb_log
 from conftest import ROOT, run_train
-from test_run import check_run_dir
 
 QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.perf_warmup_steps=1"]
 
@@ -34,8 +35,15 @@ def assert_summary_matches(run: wandb_log.WandbRun, run_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_a_single_run_shows_what_ran(tmp_path):
-    proc = run_train(["precision=bf16", "batch=32", *QUICK, "logger.project=mixprec-test",
-                      f"hydra.run.dir={tmp_path}"])
+    proc = run_train(
+        [
+            "precision=bf16",
+            "batch=32",
+            *QUICK,
+            "logger.project=mixprec-test",
+            f"hydra.run.dir={tmp_path}",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = wandb_log.runs_under(tmp_path)
     today = datetime.date.today().isoformat()
@@ -65,8 +73,13 @@ def test_an_amp_run_logs_its_scaler_and_a_resume_from_elsewhere_is_a_new_run(tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = wandb_log.runs_under(first)
     assert run.config["scaler"]["init_scale"] == 65536.0 and run.config["autocast"] == "float16"
-    more = ["precision=amp", "batch=64", "trainer.max_steps=16", "trainer.log_every=4",
-            "trainer.perf_warmup_steps=1"]
+    more = [
+        "precision=amp",
+        "batch=64",
+        "trainer.max_steps=16",
+        "trainer.log_every=4",
+        "trainer.perf_warmup_steps=1",
+    ]
     proc = run_train([*more, f"resume={first}", f"hydra.run.dir={second}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     (new,) = wandb_log.runs_under(second)
@@ -81,8 +94,15 @@ def test_an_amp_run_logs_its_scaler_and_a_resume_from_elsewhere_is_a_new_run(tmp
 @pytest.mark.slow
 def test_a_sweep_and_its_report_run_share_project_mode_and_a_dated_group(tmp_path):
     sweep = tmp_path / "2026-11-30" / "12-00-00"
-    proc = run_train(["-m", "precision=fp32,bf16", *QUICK, "logger.project=mixprec-sweep",
-                      f"hydra.sweep.dir={sweep}"])
+    proc = run_train(
+        [
+            "-m",
+            "precision=fp32,bf16",
+            *QUICK,
+            "logger.project=mixprec-sweep",
+            f"hydra.sweep.dir={sweep}",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = wandb_log.runs_under(sweep)
     jobs = [r for r in runs if r.job_type != "report"]
@@ -99,16 +119,28 @@ def test_a_sweep_and_its_report_run_share_project_mode_and_a_dated_group(tmp_pat
     assert len(listed) == 3 and all(Path(p).name.startswith("offline-run-") for p in listed)
     # rebuilding the report updates the same report run instead of adding another
     import subprocess
-    subprocess.run([sys.executable, "-m", "mixprec.report", str(sweep)], cwd=ROOT, check=True,
-                   capture_output=True, env={**os.environ, "WANDB_MODE": "offline"})
+
+    subprocess.run(
+        [sys.executable, "-m", "mixprec.report", str(sweep)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        env={**os.environ, "WANDB_MODE": "offline"},
+    )
     reports = {r.run_id for r in wandb_log.runs_under(sweep) if r.job_type == "report"}
     assert reports == {report.run_id}
 
 
 def run_sync(path: Path) -> list[str]:
     import subprocess
-    out = subprocess.run([sys.executable, "-m", "mixprec.sync", "--print", str(path)], cwd=ROOT,
-                         capture_output=True, text=True, check=True)
+
+    out = subprocess.run(
+        [sys.executable, "-m", "mixprec.sync", "--print", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.split()
 
 
@@ -118,15 +150,21 @@ def test_online_without_credentials_in_a_terminal_does_not_prompt(tmp_path):
     login prompt would wait forever; mixprec asks wandb for credentials first and goes offline."""
     import pty
     import subprocess
+
     home = tmp_path / "home"
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(WANDB_MODE="online", HOME=str(home), NETRC=str(home / ".netrc"))
     controller, terminal = pty.openpty()
     try:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *QUICK,
-                                 f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env,
-                                stdin=terminal, stdout=terminal, stderr=terminal)
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *QUICK, f"hydra.run.dir={tmp_path / 'run'}"],
+            cwd=ROOT,
+            env=env,
+            stdin=terminal,
+            stdout=terminal,
+            stderr=terminal,
+        )
         seen = _drain(controller, proc, timeout=240)
     finally:
         os.close(terminal)
@@ -140,6 +178,7 @@ def test_online_without_credentials_in_a_terminal_does_not_prompt(tmp_path):
 def _drain(fd: int, proc, timeout: float) -> str:
     """Read the terminal until the process ends (a blocked prompt would time out here)."""
     import select
+
     out, deadline = b"", time.time() + timeout
     while time.time() < deadline:
         ready, _, _ = select.select([fd], [], [], 0.2)
@@ -172,6 +211,7 @@ def silent_server():
                 held.append(srv.accept()[0])
             except OSError:
                 continue
+
     t = threading.Thread(target=accept, daemon=True)
     t.start()
     yield f"http://127.0.0.1:{srv.getsockname()[1]}"
@@ -186,8 +226,9 @@ def silent_server():
 def test_a_hung_wandb_costs_bounded_time_and_training_goes_on(tmp_path, silent_server):
     env = {"WANDB_MODE": "online", "WANDB_API_KEY": "a" * 40, "WANDB_BASE_URL": silent_server}
     t0 = time.time()
-    proc = run_train([*QUICK, "logger.timeout_s=5", f"hydra.run.dir={tmp_path}"],
-                     env_extra=env, timeout=300)
+    proc = run_train(
+        [*QUICK, "logger.timeout_s=5", f"hydra.run.dir={tmp_path}"], env_extra=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert summary_of(tmp_path)["status"] == "completed"
     assert "W&B init failed" in proc.stderr

@@ -5,6 +5,7 @@ The file: a 7-byte header (`:W&B`, magic 0xBEE1, version), then 32 KiB blocks of
 with a 7-byte header (CRC-32 of the type byte + payload, length, type FULL/FIRST/MIDDLE/LAST);
 a record is one FULL chunk or FIRST + MIDDLE... + LAST. A block with fewer than 7 bytes left is
 padded to its end."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,8 @@ def records(path: Path) -> list[pb.Record]:
         if BLOCK - pos % BLOCK < HEADER:  # the block's tail is padding
             pos += BLOCK - pos % BLOCK
             continue
-        crc, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
-        payload = data[pos + HEADER:pos + HEADER + length]
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
+        payload = data[pos + HEADER : pos + HEADER + length]
         if kind == 0 and length == 0:  # zero padding at the end of a block
             pos += BLOCK - pos % BLOCK
             continue

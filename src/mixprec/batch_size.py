@@ -12,6 +12,7 @@ x`growth`. Each probe builds fresh model, optimizer and scaler state and runs a 
 everything is released before the next probe. The answer, less a safety margin and rounded down to
 a multiple of 8 (tensor-core friendly), is cached per (model, input, precision, memory options,
 GPU, cap, torch version)."""
+
 from __future__ import annotations
 
 import gc
@@ -39,7 +40,9 @@ class BatchSearchConfig:
 
     start: int = MISSING  # first probe
     growth: float = MISSING  # grow by this factor when no memory reading guides it (+50 %)
-    aim: float = MISSING  # guided growth jumps to this fraction of the batch predicted to fill memory
+    aim: float = (
+        MISSING  # guided growth jumps to this fraction of the batch predicted to fill memory
+    )
     resolution: int = MISSING  # then bisect until the bracket is this narrow
     margin: float = MISSING  # use (1 - margin) of the largest batch that trained
     probe_steps: int = MISSING  # full training steps per probe
@@ -69,9 +72,13 @@ def release() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def search(probe: Callable[[int], int | None], s: BatchSearchConfig,
-           agree: Callable[[int], int] = lambda b: b,
-           free: Callable[[], None] = release, limit: int | None = None) -> tuple[int, list[dict]]:
+def search(
+    probe: Callable[[int], int | None],
+    s: BatchSearchConfig,
+    agree: Callable[[int], int] = lambda b: b,
+    free: Callable[[], None] = release,
+    limit: int | None = None,
+) -> tuple[int, list[dict]]:
     """(largest batch that trained, the probes). `probe(b)` raises an OOM error if b does not fit
     and may return the peak memory it used (bytes); `limit` is the memory the process may use
     (bytes; None = unguided growth); `agree` makes every rank use the same value (the minimum)
@@ -113,8 +120,12 @@ def search(probe: Callable[[int], int | None], s: BatchSearchConfig,
 class _Probes:
     """One search's probes: which batches trained (with their peak memory), logged as they go."""
 
-    def __init__(self, probe: Callable[[int], int | None], agree: Callable[[int], int],
-                 free: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        probe: Callable[[int], int | None],
+        agree: Callable[[int], int],
+        free: Callable[[], None],
+    ) -> None:
         self.probe, self.agree, self.free = probe, agree, free
         self.log: list[dict] = []
         self.fitted: list[tuple[int, int]] = []  # (batch, peak bytes) of probes that trained
@@ -132,10 +143,21 @@ class _Probes:
         peak = -self.agree(-int(peak or 0)) if ok else 0  # the largest peak over ranks
         if ok and peak > 0:
             self.fitted.append((b, peak))
-        self.log.append({"batch": b, "fits": ok, "s": round(time.perf_counter() - t0, 2),
-                         "peak_gib": round(peak / 1024**3, 3) if peak else None})
-        log.info("batch=auto probe %4d: %s (%.1fs%s)", b, "fits" if ok else "out of memory",
-                 self.log[-1]["s"], f", peak {peak / 1024**3:.2f} GiB" if peak else "")
+        self.log.append(
+            {
+                "batch": b,
+                "fits": ok,
+                "s": round(time.perf_counter() - t0, 2),
+                "peak_gib": round(peak / 1024**3, 3) if peak else None,
+            }
+        )
+        log.info(
+            "batch=auto probe %4d: %s (%.1fs%s)",
+            b,
+            "fits" if ok else "out of memory",
+            self.log[-1]["s"],
+            f", peak {peak / 1024**3:.2f} GiB" if peak else "",
+        )
         return ok
 
 
@@ -156,7 +178,9 @@ def with_margin(found: int, margin: float) -> int:
     return b - b % 8 if b >= 8 else b
 
 
-def cached(key: dict, path: Path | None, compute: Callable[[], tuple[int, list]]) -> tuple[int, bool]:
+def cached(
+    key: dict, path: Path | None, compute: Callable[[], tuple[int, list]]
+) -> tuple[int, bool]:
     """(batch, came from the cache). The cache only saves time: one that cannot be read is
     ignored and one that cannot be written is skipped, each with a warning."""
     k = json.dumps(key, sort_keys=True)
@@ -171,8 +195,12 @@ def cached(key: dict, path: Path | None, compute: Callable[[], tuple[int, list]]
             path.parent.mkdir(parents=True, exist_ok=True)
             files.write_atomic(path, json.dumps(table, indent=1))
         except OSError as e:
-            log.warning("batch=auto: could not write the cache %s (%s); the result is used but not "
-                        "cached (batch_search.cache=<writable path> or null)", path, e)
+            log.warning(
+                "batch=auto: could not write the cache %s (%s); the result is used but not "
+                "cached (batch_search.cache=<writable path> or null)",
+                path,
+                e,
+            )
     return found, False
 
 
@@ -181,8 +209,9 @@ def _read(path: Path | None) -> dict:
         return {}
     try:
         table = json.loads(path.read_text())
-        if isinstance(table, dict) and all(isinstance(v, dict) and isinstance(v.get("batch"), int)
-                                           for v in table.values()):
+        if isinstance(table, dict) and all(
+            isinstance(v, dict) and isinstance(v.get("batch"), int) for v in table.values()
+        ):
             return table
         raise ValueError("not a table of batch sizes")
     except FileNotFoundError:
@@ -204,15 +233,26 @@ def split_effective(target: int, max_micro: int, world: int) -> tuple[int, int, 
     accum = max(1, math.ceil(target / (max_micro * world)))
     micro = max(1, min(max_micro, round(target / (accum * world))))
     got = micro * accum * world
-    return micro, accum, (f"effective_batch={target} cannot be split exactly over world size "
-                          f"{world} with a micro-batch <= {max_micro}; using {micro} x {accum} x "
-                          f"{world} = {got}")
+    return (
+        micro,
+        accum,
+        (
+            f"effective_batch={target} cannot be split exactly over world size "
+            f"{world} with a micro-batch <= {max_micro}; using {micro} x {accum} x "
+            f"{world} = {got}"
+        ),
+    )
 
 
-def probe_with(new_learner: Callable[[int], "loop.Learner"], inputs: Callable[[int], tuple],
-               steps: int, clip_grad_norm: float | None) -> Callable[[int], int]:
+def probe_with(
+    new_learner: Callable[[int], loop.Learner],
+    inputs: Callable[[int], tuple],
+    steps: int,
+    clip_grad_norm: float | None,
+) -> Callable[[int], int]:
     """A probe for search(): real training steps at batch b with fresh model, optimizer and
     scaler state, so it sees the memory training will need; returns the peak (bytes)."""
+
     def probe(b: int) -> int:
         learner = new_learner(b)
         x, y = inputs(b)
@@ -226,20 +266,29 @@ def probe_with(new_learner: Callable[[int], "loop.Learner"], inputs: Callable[[i
                 break
         torch.cuda.synchronize(x.device)
         return torch.cuda.max_memory_allocated(x.device)
+
     return probe
 
 
-def find(probe: Callable[[int], int], s: BatchSearchConfig, key: dict,
-         limit: int) -> tuple[int, int]:
+def find(
+    probe: Callable[[int], int], s: BatchSearchConfig, key: dict, limit: int
+) -> tuple[int, int]:
     """(micro-batch to use, the largest that trained): the cached answer for `key`, or a search
     (every rank agrees on the smallest), less the margin, rounded down to a multiple of 8."""
     t0 = time.perf_counter()
     with hardware.cudnn_benchmark(False):  # probes: heuristics, no per-shape algorithm timing
-        found, hit = cached(key, s.cache_path, lambda: search(
-            probe, s, agree=distributed.all_min, limit=limit))
+        found, hit = cached(
+            key, s.cache_path, lambda: search(probe, s, agree=distributed.all_min, limit=limit)
+        )
     found = distributed.all_min(found)  # a rank that read a different cache still agrees
     batch = with_margin(found, s.margin)
-    log.info("batch=auto: largest micro-batch that trains is %d (%s, %.1fs); using %d (margin "
-             "%.0f%%, rounded to a multiple of 8)", found, "cached" if hit else "searched",
-             time.perf_counter() - t0, batch, 100 * s.margin)
+    log.info(
+        "batch=auto: largest micro-batch that trains is %d (%s, %.1fs); using %d (margin "
+        "%.0f%%, rounded to a multiple of 8)",
+        found,
+        "cached" if hit else "searched",
+        time.perf_counter() - t0,
+        batch,
+        100 * s.margin,
+    )
     return batch, found

@@ -5,6 +5,7 @@ torch.load(weights_only=True): a checkpoint from elsewhere cannot run code. Writ
 (files.write_atomic): a crash mid-write leaves the previous one intact. Model keys are those of
 the plain module (models.unwrap): never `module.` or `_orig_mod.`, however the run was wrapped.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +17,6 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-
 from omegaconf import MISSING
 
 from . import files
@@ -32,21 +32,30 @@ KEYS = ("model", "optimizer", "scaler", "scheduler", "state", "rng", "config")
 class CkptConfig:
     """ckpt.* in conf/train.yaml"""
 
-    every_steps: Optional[int] = MISSING  # write checkpoints/last.pt every N optimizer steps; null = end only
+    every_steps: Optional[int] = (
+        MISSING  # write checkpoints/last.pt every N optimizer steps; null = end only
+    )
     keep: int = MISSING  # how many step-numbered checkpoints to keep beside last.pt
 
     def __post_init__(self) -> None:
-        check(self.every_steps is None or self.every_steps >= 1, "ckpt.every_steps",
-              self.every_steps, "null or an int >= 1")
+        check(
+            self.every_steps is None or self.every_steps >= 1,
+            "ckpt.every_steps",
+            self.every_steps,
+            "null or an int >= 1",
+        )
         check(self.keep >= 1, "ckpt.keep", self.keep, "an int >= 1")
 
 
 def rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"python": list(random.getstate()[1]), "python_version": random.getstate()[0],
-            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    return {
+        "python": list(random.getstate()[1]),
+        "python_version": random.getstate()[0],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
 
 
 def set_rng_state(s: dict[str, Any]) -> None:
@@ -63,11 +72,16 @@ def save(path: Path, learner, state, config: dict, keep: int = 1) -> Path:
     scheduler) and the loop state, plus the RNG states and the config that ran. (Loggers keep
     their own resume ids in the run dir: sinks/.)"""
     path.parent.mkdir(parents=True, exist_ok=True)
-    blob = {"format": FORMAT, "model": unwrap(learner.model).state_dict(),
-            "optimizer": learner.optimizer.state_dict(),
-            "scaler": learner.precision.scaler.state_dict(),
-            "scheduler": learner.scheduler.state_dict(), "state": dataclasses.asdict(state),
-            "rng": rng_state(), "config": config}
+    blob = {
+        "format": FORMAT,
+        "model": unwrap(learner.model).state_dict(),
+        "optimizer": learner.optimizer.state_dict(),
+        "scaler": learner.precision.scaler.state_dict(),
+        "scheduler": learner.scheduler.state_dict(),
+        "state": dataclasses.asdict(state),
+        "rng": rng_state(),
+        "config": config,
+    }
     step_path = path.parent / f"step_{state.step:08d}.pt"
     files.write_atomic(step_path, lambda f: torch.save(blob, f))
     files.link_atomic(step_path, path)  # last.pt is the newest step file under a stable name
@@ -85,8 +99,10 @@ def find(resume: str, run_dir: Path) -> Path | None:
     if p.is_dir():
         p = p / "checkpoints" / "last.pt" if (p / "checkpoints").is_dir() else p / "last.pt"
     if not p.is_file():
-        raise ConfigError(f"resume={resume!r}: no checkpoint at {p} (allowed: null, auto, a run "
-                          "dir, or a .pt file)")
+        raise ConfigError(
+            f"resume={resume!r}: no checkpoint at {p} (allowed: null, auto, a run "
+            "dir, or a .pt file)"
+        )
     return p
 
 
@@ -97,12 +113,15 @@ def load(path: Path) -> dict[str, Any]:
     except Exception as e:  # empty, truncated, corrupted, or holding objects that would run code
         lines = str(e).strip().splitlines()
         why = f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
-        raise CheckpointError(f"checkpoint {path} cannot be loaded ({why}); it is empty, "
-                              "truncated, corrupted or not a mixprec checkpoint") from None
+        raise CheckpointError(
+            f"checkpoint {path} cannot be loaded ({why}); it is empty, "
+            "truncated, corrupted or not a mixprec checkpoint"
+        ) from None
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
         got = blob.get("format") if isinstance(blob, dict) else type(blob).__name__
-        raise CheckpointError(f"checkpoint {path} is not a mixprec checkpoint (format {got!r}, "
-                              f"expected {FORMAT})")
+        raise CheckpointError(
+            f"checkpoint {path} is not a mixprec checkpoint (format {got!r}, expected {FORMAT})"
+        )
     missing = [k for k in KEYS if k not in blob]
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete: it has no {', '.join(missing)}")
@@ -119,23 +138,40 @@ def check_fits(blob: dict, path: Path, run: dict) -> None:
         raise CheckpointError(
             f"checkpoint {path} was written with another batch layout ({what}); the restored LR "
             "schedule and data position would not match. Resume with the same batch, accum and "
-            "world size, or start a new run (no resume) from scratch")
+            "world size, or start a new run (no resume) from scratch"
+        )
 
 
 def restore(blob: dict, path: Path, learner) -> dict:
     """Load every piece back into the learner; returns the saved loop state (a dict)."""
     model_name = (blob["config"].get("model") or {}).get("name", "?")
-    _load(path, "model", lambda: unwrap(learner.model).load_state_dict(blob["model"]),
-          f"does not fit this run's model (it was written for {model_name})")
-    _load(path, "optimizer", lambda: _load_optimizer(learner.optimizer, blob["optimizer"]),
-          "holds another optimizer's state (optimizer=... differs from the run that wrote it)")
-    _load(path, "scheduler", lambda: learner.scheduler.load_state_dict(blob["scheduler"]),
-          "holds another LR schedule's state")
+    _load(
+        path,
+        "model",
+        lambda: unwrap(learner.model).load_state_dict(blob["model"]),
+        f"does not fit this run's model (it was written for {model_name})",
+    )
+    _load(
+        path,
+        "optimizer",
+        lambda: _load_optimizer(learner.optimizer, blob["optimizer"]),
+        "holds another optimizer's state (optimizer=... differs from the run that wrote it)",
+    )
+    _load(
+        path,
+        "scheduler",
+        lambda: learner.scheduler.load_state_dict(blob["scheduler"]),
+        "holds another LR schedule's state",
+    )
     scaler = learner.precision.scaler
     if scaler.is_enabled() and not blob["scaler"]:
-        log.warning("checkpoint %s was written without a GradScaler (precision=%s); this run "
-                    "starts a fresh scaler at init_scale=%g", path,
-                    (blob["config"].get("precision") or {}).get("name", "?"), scaler._init_scale)
+        log.warning(
+            "checkpoint %s was written without a GradScaler (precision=%s); this run "
+            "starts a fresh scaler at init_scale=%g",
+            path,
+            (blob["config"].get("precision") or {}).get("name", "?"),
+            scaler._init_scale,
+        )
     elif scaler.is_enabled():
         _load(path, "scaler", lambda: scaler.load_state_dict(blob["scaler"]), "bad scaler state")
     set_rng_state(blob["rng"])

@@ -4,11 +4,12 @@ Config, ...). Values live in conf/*.yaml only: a field here has a type, a one-li
 its checks, never a default of its own (MISSING), so a default lives in one place.
 
 The data, precision and logger groups are plugins (data/<name>.py, precision.plugin,
-sinks/<name>.py): their nodes are
-parsed by their own Config. Hydra merges conf/ onto this schema (wrong types fail at compose time); validate() builds the
+sinks/<name>.py): their nodes are parsed by their own Config. Hydra merges conf/ onto this
+schema (wrong types fail at compose time); validate() builds the
 dataclasses, which runs every __post_init__ check, and refuses keys that match no field (a typo
 added with `+`) and non-finite numbers. Errors name the key and what is allowed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,16 +25,16 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import data as datasets
+from . import metrics, sinks
+from . import precision as precisions
 from .batch_size import BatchSearchConfig
 from .checkpoint import CkptConfig
 from .errors import ConfigError, check, nearest, one_of
 from .hardware import HardwareConfig, Profiles
 from .models import ModelConfig
 from .optim import OptimizerConfig, SchedulerConfig
-from . import precision as precisions
 from .precision import ScalerConfig
 from .safety import DebugConfig
-from . import metrics, sinks
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's conf/ (pip install -e)
 _FREE_FORM = ("compile_options", "kwargs", "peak_tflops")  # dict fields with any keys
@@ -55,13 +56,22 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         check(self.epochs >= 1, "trainer.epochs", self.epochs, "an int >= 1")
         check(self.min_steps >= 0, "trainer.min_steps", self.min_steps, "an int >= 0")
-        check(self.max_steps is None or self.max_steps >= 1, "trainer.max_steps",
-              self.max_steps, "null or an int >= 1")
+        check(
+            self.max_steps is None or self.max_steps >= 1,
+            "trainer.max_steps",
+            self.max_steps,
+            "null or an int >= 1",
+        )
         check(self.log_every >= 1, "trainer.log_every", self.log_every, "an int >= 1")
-        check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "trainer.clip_grad_norm",
-              self.clip_grad_norm, "null (off) or > 0")
-        check(self.perf_warmup_steps >= 0, "trainer.perf_warmup_steps", self.perf_warmup_steps,
-              ">= 0")
+        check(
+            self.clip_grad_norm is None or self.clip_grad_norm > 0,
+            "trainer.clip_grad_norm",
+            self.clip_grad_norm,
+            "null (off) or > 0",
+        )
+        check(
+            self.perf_warmup_steps >= 0, "trainer.perf_warmup_steps", self.perf_warmup_steps, ">= 0"
+        )
         check(self.stop_grace_s > 0, "trainer.stop_grace_s", self.stop_grace_s, "> 0")
 
 
@@ -94,14 +104,19 @@ class TrainConfig:
     run_dir: str = MISSING  # where the run writes; train.yaml points it at Hydra's output dir
 
     def __post_init__(self) -> None:
-        ok = self.batch == "auto" or (isinstance(self.batch, int) and not isinstance(self.batch, bool)
-                                      and self.batch >= 1)
+        ok = self.batch == "auto" or (
+            isinstance(self.batch, int) and not isinstance(self.batch, bool) and self.batch >= 1
+        )
         check(ok, "batch", self.batch, "an int >= 1 or auto")
         check(isinstance(self.accum, int) and self.accum >= 1, "accum", self.accum, "an int >= 1")
         check(0 <= self.seed < 2**31, "seed", self.seed, "an int in [0, 2^31)")
         one_of("objective", self.objective, metrics.objectives())
-        check(self.effective_batch is None or self.effective_batch >= 1, "effective_batch",
-              self.effective_batch, "null or an int >= 1")
+        check(
+            self.effective_batch is None or self.effective_batch >= 1,
+            "effective_batch",
+            self.effective_batch,
+            "null or an int >= 1",
+        )
 
 
 def register_configs() -> None:
@@ -130,9 +145,11 @@ def _known_keys(node: DictConfig, schema: type, prefix: str) -> None:
     fields = {f.name for f in dataclasses.fields(schema)}
     for key in node:
         if key not in fields:
-            raise ConfigError(f"{prefix}{key} is not a config key{nearest(str(key), fields)} "
-                              f"(the keys of {prefix.rstrip('.') or 'the config'}: "
-                              f"{', '.join(sorted(fields))})")
+            raise ConfigError(
+                f"{prefix}{key} is not a config key{nearest(str(key), fields)} "
+                f"(the keys of {prefix.rstrip('.') or 'the config'}: "
+                f"{', '.join(sorted(fields))})"
+            )
         child = OmegaConf.get_type(node, key)
         if dataclasses.is_dataclass(child) and isinstance(node[key], DictConfig):
             _known_keys(node[key], child, f"{prefix}{key}.")
@@ -140,8 +157,13 @@ def _known_keys(node: DictConfig, schema: type, prefix: str) -> None:
 
 def _finite(node: Any, prefix: str) -> None:
     """No inf or nan anywhere: `optimizer.lr=inf` would pass every range check."""
-    items = (node.items_ex(resolve=True) if isinstance(node, DictConfig)
-             else enumerate(node) if isinstance(node, ListConfig) else ())
+    items = (
+        node.items_ex(resolve=True)
+        if isinstance(node, DictConfig)
+        else enumerate(node)
+        if isinstance(node, ListConfig)
+        else ()
+    )
     for key, value in items:
         if isinstance(value, (DictConfig, ListConfig)):
             _finite(value, f"{prefix}{key}.")
@@ -161,8 +183,10 @@ def compose_config(overrides: list[str] = ()) -> DictConfig:
 def _hydra() -> GlobalHydra:
     hydra = GlobalHydra.instance()
     if not hydra.is_initialized():
-        raise ConfigError("Hydra is not initialized: run through train.py, or compose with "
-                          "mixprec.config.compose_config() first")
+        raise ConfigError(
+            "Hydra is not initialized: run through train.py, or compose with "
+            "mixprec.config.compose_config() first"
+        )
     return hydra
 
 
@@ -179,7 +203,9 @@ def hardware_profiles() -> Profiles:
 
     def load(name: str) -> HardwareConfig:
         if name not in loaded:
-            loaded[name] = OmegaConf.to_object(OmegaConf.merge(schema, load_option("hardware", name)))
+            loaded[name] = OmegaConf.to_object(
+                OmegaConf.merge(schema, load_option("hardware", name))
+            )
         return dataclasses.replace(loaded[name])
 
     return Profiles(names, load)

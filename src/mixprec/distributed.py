@@ -3,6 +3,7 @@ process per GPU (NCCL) or per CPU worker (gloo); DDP averages gradients; rank 0 
 
 No home-made launcher: the environment torchrun/SLURM set up is read here, nothing else.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -43,11 +44,17 @@ class Dist:
 
 def _env_world() -> tuple[int, int, int] | None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun
-        return (int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)),
-                int(os.environ["WORLD_SIZE"]))
+        return (
+            int(os.environ["RANK"]),
+            int(os.environ.get("LOCAL_RANK", 0)),
+            int(os.environ["WORLD_SIZE"]),
+        )
     if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
-        return (int(os.environ["SLURM_PROCID"]), int(os.environ.get("SLURM_LOCALID", 0)),
-                int(os.environ["SLURM_NTASKS"]))
+        return (
+            int(os.environ["SLURM_PROCID"]),
+            int(os.environ.get("SLURM_LOCALID", 0)),
+            int(os.environ["SLURM_NTASKS"]),
+        )
     return None
 
 
@@ -55,8 +62,13 @@ def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list ("gpu[03-04,07],cpu1" -> "gpu03"): scontrol's own
     expansion where it is installed, else the common prefix[range] form."""
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                             text=True, timeout=30, check=True).stdout.split()
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.split()
         if out:
             return out[0]
     except (OSError, subprocess.SubprocessError):
@@ -75,13 +87,16 @@ def init(device_type: str) -> Dist:
     rank, local_rank, world = env
     if "MASTER_ADDR" not in os.environ:  # SLURM: the first node of the job hosts the store
         os.environ["MASTER_ADDR"] = first_host(os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-        os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", 0)) % 1000))
+        os.environ.setdefault(
+            "MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", 0)) % 1000)
+        )
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group(
+            "nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10)
+        )
     return Dist(rank, local_rank, world)
 
 

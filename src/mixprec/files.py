@@ -5,6 +5,7 @@ of one: the bytes go to a temp file beside the target, are fsync'ed, renamed ove
 the directory entry is fsync'ed too, so a power loss right after the rename keeps the new file.
 A failure on the way (a full disk) removes the temp file and leaves the target as it was.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,8 +62,9 @@ def plain(v: Any) -> Any:
 
 
 def finite(obj: dict) -> dict:
-    return {k: plain(v) if isinstance(v, float) and not math.isfinite(v) else v
-            for k, v in obj.items()}
+    return {
+        k: plain(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in obj.items()
+    }
 
 
 def write_json(path: Path, obj: Any) -> Path:

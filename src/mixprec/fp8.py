@@ -4,6 +4,7 @@ to float8 (e4m3 forward, e5m2 gradients) with a per-tensor or per-row scale and 
 the float8 tensor cores; everything else runs under bf16 autocast. Weights stay in their own
 dtype, so checkpoints are plain tensors, as for every other precision. This module is the only
 place in mixprec that knows about float8 (conf/precision/fp8.yaml names it as its plugin)."""
+
 from __future__ import annotations
 
 import logging
@@ -31,8 +32,12 @@ class Config(PrecisionConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         one_of("precision.fp8_recipe", self.fp8_recipe, RECIPES)
-        check(self.autocast == "bfloat16", "precision.autocast", self.autocast,
-              "bfloat16 with precision.fp8_recipe (what float8 does not take runs in bf16)")
+        check(
+            self.autocast == "bfloat16",
+            "precision.autocast",
+            self.autocast,
+            "bfloat16 with precision.fp8_recipe (what float8 does not take runs in bf16)",
+        )
 
 
 def eligible(module: nn.Module, name: str, head: str | None, convert_head: bool) -> bool:
@@ -64,17 +69,23 @@ class Plugin(Precision):
     def check_device(self, device: torch.device) -> None:
         """A GPU with float8 tensor cores, and torchao installed; else a config error."""
         if device.type != "cuda" or torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
-            what = (f"{torch.cuda.get_device_name(device)} (compute capability "
-                    f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
-                    if device.type == "cuda" else "the CPU")
-            raise ConfigError(f"precision={self.name} needs a GPU with float8 tensor cores "
-                              f"(compute capability >= 8.9: Ada, Hopper or newer); this run is "
-                              f"on {what}. Use precision=bf16 here")
+            what = (
+                f"{torch.cuda.get_device_name(device)} (compute capability "
+                f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
+                if device.type == "cuda"
+                else "the CPU"
+            )
+            raise ConfigError(
+                f"precision={self.name} needs a GPU with float8 tensor cores "
+                f"(compute capability >= 8.9: Ada, Hopper or newer); this run is "
+                f"on {what}. Use precision=bf16 here"
+            )
         try:
             import torchao.float8  # noqa: F401
         except ImportError:
-            raise ConfigError(f"precision={self.name} needs torchao: pip install -e '.[fp8]' "
-                              "(make installs it)") from None
+            raise ConfigError(
+                f"precision={self.name} needs torchao: pip install -e '.[fp8]' (make installs it)"
+            ) from None
         super().check_device(device)
 
     def convert(self, model: nn.Module) -> nn.Module:
@@ -91,12 +102,19 @@ class Plugin(Precision):
             return ok
 
         model = convert_to_float8_training(
-            model, module_filter_fn=keep,
-            config=Float8LinearConfig.from_recipe_name(self.cfg.fp8_recipe))
+            model,
+            module_filter_fn=keep,
+            config=Float8LinearConfig.from_recipe_name(self.cfg.fp8_recipe),
+        )
         skipped = sorted(set(linears) - set(self.converted))
-        log.info("precision=%s (%s scaling): %d of %d Linear layers compute in float8; kept in "
-                 "bf16: %s", self.name, self.cfg.fp8_recipe, len(self.converted), len(linears),
-                 ", ".join(skipped[:6]) + (" ..." if len(skipped) > 6 else "") or "none")
+        log.info(
+            "precision=%s (%s scaling): %d of %d Linear layers compute in float8; kept in bf16: %s",
+            self.name,
+            self.cfg.fp8_recipe,
+            len(self.converted),
+            len(linears),
+            ", ".join(skipped[:6]) + (" ..." if len(skipped) > 6 else "") or "none",
+        )
         return model
 
     def owned(self) -> dict[str, str]:
@@ -104,28 +122,42 @@ class Plugin(Precision):
 
     def peak_tflops(self, peaks: dict, owned_share: float) -> float | None:
         if owned_share:
-            log.info("precision=%s: %.1f%% of the training FLOPs run in float8; MFU counts them "
-                     "against the float8 peak", self.name, 100 * owned_share)
+            log.info(
+                "precision=%s: %.1f%% of the training FLOPs run in float8; MFU counts them "
+                "against the float8 peak",
+                self.name,
+                100 * owned_share,
+            )
         return blended_peak(peaks.get("bf16"), peaks.get("fp8"), owned_share)
 
     def columns(self) -> dict:
-        return {**super().columns(), "fp8_recipe": self.cfg.fp8_recipe,
-                "fp8_head": self.cfg.fp8_head, "fp8_layers": len(self.converted)}
+        return {
+            **super().columns(),
+            "fp8_recipe": self.cfg.fp8_recipe,
+            "fp8_head": self.cfg.fp8_head,
+            "fp8_layers": len(self.converted),
+        }
 
     def advice(self, compiled: bool) -> list[str]:
         out = super().advice(compiled)
         if not self.converted:
-            out.append(f"precision={self.name}: this model has no Linear layer that float8 can "
-                       "take (multiples of 16, the head excluded): it trains in plain bf16")
+            out.append(
+                f"precision={self.name}: this model has no Linear layer that float8 can "
+                "take (multiples of 16, the head excluded): it trains in plain bf16"
+            )
         elif not compiled:
-            out.append(f"precision={self.name} without model.compile=true: torchao's float8 "
-                       "casts then run as separate eager kernels, usually slower than bf16; add "
-                       "model.compile=true")
+            out.append(
+                f"precision={self.name} without model.compile=true: torchao's float8 "
+                "casts then run as separate eager kernels, usually slower than bf16; add "
+                "model.compile=true"
+            )
         return out
 
     def on_divergence(self) -> str:
-        return (f"precision=bf16 (the same run without float8: is float8 the cause?), "
-                f"precision.fp8_recipe=rowwise (finer scales), or {super().on_divergence()}")
+        return (
+            f"precision=bf16 (the same run without float8: is float8 the cause?), "
+            f"precision.fp8_recipe=rowwise (finer scales), or {super().on_divergence()}"
+        )
 
     def describe(self) -> str:
         return f"{super().describe()}, float8 Linear layers ({self.cfg.fp8_recipe} scaling)"

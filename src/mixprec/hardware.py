@@ -5,6 +5,7 @@ The profiles are the options of conf/hardware/ (one card each); `auto` picks the
 `cuda` profile for unknown GPUs. Profiles are loaded through Hydra (run.py hands `resolve` the
 loader), so a profile added on Hydra's search path is found like the shipped ones.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,7 +23,13 @@ from .errors import ConfigError, check, one_of
 
 log = logging.getLogger(__name__)
 GIB = 1024**3
-PEAK_KEYS = ("fp32", "tf32", "fp16", "bf16", "fp8")  # the shipped precisions' (a plugin may add one)
+PEAK_KEYS = (
+    "fp32",
+    "tf32",
+    "fp16",
+    "bf16",
+    "fp8",
+)  # the shipped precisions' (a plugin may add one)
 
 
 @dataclass
@@ -41,11 +48,20 @@ class HardwareConfig:
 
     def __post_init__(self) -> None:
         one_of("hardware.device", self.device, ("auto", "cpu", "cuda"))
-        check(self.memory_gib is None or self.memory_gib > 0, "hardware.memory_gib",
-              self.memory_gib, "null or > 0")
+        check(
+            self.memory_gib is None or self.memory_gib > 0,
+            "hardware.memory_gib",
+            self.memory_gib,
+            "null or > 0",
+        )
         bad = sorted(k for k, v in self.peak_tflops.items() if not (k.isidentifier() and v > 0))
-        check(not bad, "hardware.peak_tflops", bad, "keyed by the peak keys precisions use "
-              f"({', '.join(PEAK_KEYS)}, or a plugin's own), each > 0")
+        check(
+            not bad,
+            "hardware.peak_tflops",
+            bad,
+            "keyed by the peak keys precisions use "
+            f"({', '.join(PEAK_KEYS)}, or a plugin's own), each > 0",
+        )
         check(self.num_workers >= 0, "hardware.num_workers", self.num_workers, ">= 0")
 
 
@@ -64,7 +80,11 @@ class Profiles:
         best = None
         for name in self.names:
             match = self.load(name).gpu_match
-            if match and match.lower() in gpu_name.lower() and (best is None or len(match) > best[0]):
+            if (
+                match
+                and match.lower() in gpu_name.lower()
+                and (best is None or len(match) > best[0])
+            ):
                 best = (len(match), name)
         return best[1] if best else None
 
@@ -74,13 +94,18 @@ def resolve(hw: HardwareConfig, profiles: Profiles) -> HardwareConfig:
     with hardware=auto still caps memory); check that a CUDA profile has a GPU to run on."""
     if hw.name == "auto" or hw.device == "auto":
         base = profiles.load("auto")
-        overrides = {f.name: getattr(hw, f.name) for f in dataclasses.fields(hw)
-                     if f.name not in ("name", "device", "gpu_match")
-                     and getattr(hw, f.name) != getattr(base, f.name)}
+        overrides = {
+            f.name: getattr(hw, f.name)
+            for f in dataclasses.fields(hw)
+            if f.name not in ("name", "device", "gpu_match")
+            and getattr(hw, f.name) != getattr(base, f.name)
+        }
         return dataclasses.replace(_auto(profiles), **overrides)
     if hw.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"hardware={hw.name} needs a CUDA GPU and none is visible; "
-                          "use hardware=auto or hardware=cpu")
+        raise ConfigError(
+            f"hardware={hw.name} needs a CUDA GPU and none is visible; "
+            "use hardware=auto or hardware=cpu"
+        )
     return _emulated(hw, profiles) if hw.device == "cuda" else hw
 
 
@@ -94,8 +119,12 @@ def _emulated(hw: HardwareConfig, profiles: Profiles) -> HardwareConfig:
         return hw
     real = profiles.match(gpu)
     peaks = profiles.load(real).peak_tflops if real else {}
-    log.info("hardware=%s on a %s: its memory is emulated; MFU uses the %s peaks", hw.name, gpu,
-             real or "unknown (so MFU is null)")
+    log.info(
+        "hardware=%s on a %s: its memory is emulated; MFU uses the %s peaks",
+        hw.name,
+        gpu,
+        real or "unknown (so MFU is null)",
+    )
     return dataclasses.replace(hw, peak_tflops=peaks)
 
 
@@ -105,8 +134,11 @@ def _auto(profiles: Profiles) -> HardwareConfig:
     gpu = torch.cuda.get_device_name()
     name = profiles.match(gpu)
     if name is None:
-        log.warning("hardware=auto: no profile matches %r; using generic CUDA defaults "
-                    "(no peak TFLOP/s, so MFU is null)", gpu)
+        log.warning(
+            "hardware=auto: no profile matches %r; using generic CUDA defaults "
+            "(no peak TFLOP/s, so MFU is null)",
+            gpu,
+        )
         total = torch.cuda.get_device_properties(0).total_memory / GIB
         return dataclasses.replace(profiles.load("cuda"), memory_gib=round(total, 1))
     return profiles.load(name)
@@ -140,9 +172,11 @@ def cudnn_benchmark(enabled: bool):
 def memory_stats(device: torch.device) -> dict[str, float]:
     """GPU allocator stats on CUDA; process resident memory (current and peak) on the CPU."""
     if device.type == "cuda":
-        return {"mem/allocated_gib": torch.cuda.memory_allocated(device) / GIB,
-                "mem/reserved_gib": torch.cuda.memory_reserved(device) / GIB,
-                "mem/peak_gib": torch.cuda.max_memory_allocated(device) / GIB}
+        return {
+            "mem/allocated_gib": torch.cuda.memory_allocated(device) / GIB,
+            "mem/reserved_gib": torch.cuda.memory_reserved(device) / GIB,
+            "mem/peak_gib": torch.cuda.max_memory_allocated(device) / GIB,
+        }
     rss = _rss_bytes() / GIB
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     peak = peak_kib / (GIB if sys.platform == "darwin" else 1024**2)
@@ -173,11 +207,19 @@ class PhaseMemory:
 
     def __init__(self, model, optimizer, device: torch.device) -> None:
         self.device, self.result = device, {}
-        read = lambda: (torch.cuda.memory_allocated(device) if device.type == "cuda"  # noqa: E731
-                        else _rss_bytes()) / GIB
+        read = lambda: (
+            (
+                torch.cuda.memory_allocated(device)
+                if device.type == "cuda"  # noqa: E731
+                else _rss_bytes()
+            )
+            / GIB
+        )
         self._handles = [
             model.register_forward_hook(lambda *a: self._forward(read)),
-            optimizer.register_step_pre_hook(lambda *a: self._record("mem/after_backward_gib", read)),
+            optimizer.register_step_pre_hook(
+                lambda *a: self._record("mem/after_backward_gib", read)
+            ),
             optimizer.register_step_post_hook(lambda *a: self._record("mem/after_step_gib", read)),
         ]
 

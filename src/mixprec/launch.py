@@ -2,6 +2,7 @@
 the overrides typed, and whether the job has a process of its own (a submitit job). Read here
 only, so the rest of mixprec works the same from a script or a notebook (no Hydra: a single run
 with no overrides)."""
+
 from __future__ import annotations
 
 import os
@@ -10,6 +11,7 @@ from pathlib import Path
 
 def hydra_config():
     from hydra.core.hydra_config import HydraConfig
+
     return HydraConfig.get() if HydraConfig.initialized() else None
 
 

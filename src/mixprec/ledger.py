@@ -1,4 +1,5 @@
 """The bookkeeping around each optimizer step (StepLedger) and the loop's outside world (Hooks)."""
+
 from __future__ import annotations
 
 import itertools
@@ -57,12 +58,22 @@ class StepLedger:
         self.last = None  # the last settled step
         self.window_loss = torch.zeros((), device=hooks.meter.device)
         self.window_steps = 0
-        self.bar = tqdm(total=plan.total_steps, initial=state.step, desc="train", unit="step",
-                        dynamic_ncols=True, disable=not hooks.progress, leave=False)
+        self.bar = tqdm(
+            total=plan.total_steps,
+            initial=state.step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not hooks.progress,
+            leave=False,
+        )
         self.started = time.perf_counter()
         if learner.bn_guard.enabled:
-            log.info("scaler.guard_bn_stats: %d BatchNorm running-stat tensors are put back after "
-                     "any forward whose loss is inf/nan", len(learner.bn_guard.stats))
+            log.info(
+                "scaler.guard_bn_stats: %d BatchNorm running-stat tensors are put back after "
+                "any forward whose loss is inf/nan",
+                len(learner.bn_guard.stats),
+            )
         hooks.meter.start(state.step)
 
     def batches(self, loader, epoch: int) -> Iterator[list]:
@@ -88,8 +99,11 @@ class StepLedger:
         self.pending = out
         if self.started is not None:  # one sync: how long compile / autotuning / capture took
             float(out.loss)
-            log.info("first step took %.1fs (compile, cuDNN autotuning and graph capture happen "
-                     "here; warm-up keeps them out of samples/s)", time.perf_counter() - self.started)
+            log.info(
+                "first step took %.1fs (compile, cuDNN autotuning and graph capture happen "
+                "here; warm-up keeps them out of samples/s)",
+                time.perf_counter() - self.started,
+            )
             self.started = None
 
     def settle_late(self) -> None:
@@ -148,8 +162,9 @@ class StepLedger:
         signum = self._stop_signal()
         if signum:
             self.hooks.stop.acknowledge()
-            saved = save_if_healthy(self.hooks.save, self.state, self.hooks.guard,
-                                    self.learner.model)
+            saved = save_if_healthy(
+                self.hooks.save, self.state, self.hooks.guard, self.learner.model
+            )
             raise Preempted(signum, checkpointed=saved)
         every = self.plan.ckpt_every
         if stepped and every and self.state.step % every == 0:
@@ -167,8 +182,12 @@ class StepLedger:
 
     def _check(self, out) -> None:
         prec = self.learner.precision
-        self.hooks.guard.check(self.state.step, float(out.loss),
-                               prec.loss_scale() if prec.scaling else None, self._lr())
+        self.hooks.guard.check(
+            self.state.step,
+            float(out.loss),
+            prec.loss_scale() if prec.scaling else None,
+            self._lr(),
+        )
 
     def _lr(self) -> float:
         return self.learner.optimizer.param_groups[-1]["lr"]
@@ -179,15 +198,24 @@ class StepLedger:
         sps, step_ms = hooks.meter.window()
         loss = float(mean)  # the one host sync per log event (with the scale read below)
         state.last_loss = loss
-        row = {"epoch": state.epoch, "train/loss": loss, "train/lr": self._lr(),
-               "train/grad_norm": float(out.grad_norm) if out.grad_norm is not None else None,
-               "amp/loss_scale": self.learner.precision.loss_scale(),
-               "amp/skipped_steps": state.skipped_steps, "perf/samples_per_s": sps,
-               "perf/step_ms": step_ms, "perf/mfu": hooks.meter.mfu(sps), **hooks.memory()}
+        row = {
+            "epoch": state.epoch,
+            "train/loss": loss,
+            "train/lr": self._lr(),
+            "train/grad_norm": float(out.grad_norm) if out.grad_norm is not None else None,
+            "amp/loss_scale": self.learner.precision.loss_scale(),
+            "amp/skipped_steps": state.skipped_steps,
+            "perf/samples_per_s": sps,
+            "perf/step_ms": step_ms,
+            "perf/mfu": hooks.meter.mfu(sps),
+            **hooks.memory(),
+        }
         hooks.tracker.log(row, state.step)
         if out.grads is not None:  # a step that ran, at its real number
-            hooks.tracker.histograms({"grad/all": out.grads.cpu(),
-                                      "grad/abs_max": float(out.grads.abs().max())}, state.step)
+            hooks.tracker.histograms(
+                {"grad/all": out.grads.cpu(), "grad/abs_max": float(out.grads.abs().max())},
+                state.step,
+            )
         self.bar.set_postfix(loss=f"{loss:.4f}", sps=f"{sps:.0f}")
         log.info(self._line(row))
         self.window_loss = torch.zeros((), device=hooks.meter.device)
@@ -195,18 +223,27 @@ class StepLedger:
 
     def _line(self, row: dict) -> str:
         finite = math.isfinite(row["train/loss"])
-        scale = (f" scale {row['amp/loss_scale']:g} skipped {row['amp/skipped_steps']}"
-                 if self.learner.precision.scaling else "")
-        return (f"step {self.state.step}/{self.plan.total_steps} loss {row['train/loss']:.4f}"
-                f"{'' if finite else ' (non-finite)'} lr {row['train/lr']:.4g}{scale} "
-                f"{row['perf/samples_per_s']:.1f} samples/s {row['perf/step_ms']:.1f} ms/step "
-                f"peak {row['mem/peak_gib']:.2f} GiB")
+        scale = (
+            f" scale {row['amp/loss_scale']:g} skipped {row['amp/skipped_steps']}"
+            if self.learner.precision.scaling
+            else ""
+        )
+        return (
+            f"step {self.state.step}/{self.plan.total_steps} loss {row['train/loss']:.4f}"
+            f"{'' if finite else ' (non-finite)'} lr {row['train/lr']:.4g}{scale} "
+            f"{row['perf/samples_per_s']:.1f} samples/s {row['perf/step_ms']:.1f} ms/step "
+            f"peak {row['mem/peak_gib']:.2f} GiB"
+        )
 
     def log_evaluation(self) -> None:
         st = self.state
         self.hooks.tracker.log({"epoch": st.epoch, **st.val}, st.step)
-        log.info("epoch %d step %d: %s", st.epoch, st.step,
-                 " ".join(f"{k} {v:.4f}" for k, v in st.val.items()))
+        log.info(
+            "epoch %d step %d: %s",
+            st.epoch,
+            st.step,
+            " ".join(f"{k} {v:.4f}" for k, v in st.val.items()),
+        )
 
     def finish(self) -> None:
         self.bar.close()
@@ -223,8 +260,11 @@ def save_if_healthy(save: Callable, state, guard: DivergenceGuard, model) -> boo
     if guard.healthy(model_tensors(model)):
         save(state)
         return True
-    log.warning("step %d: non-finite loss, weights or buffers (e.g. BatchNorm statistics); "
-                "checkpoint not written", state.step)
+    log.warning(
+        "step %d: non-finite loss, weights or buffers (e.g. BatchNorm statistics); "
+        "checkpoint not written",
+        state.step,
+    )
     return False
 
 

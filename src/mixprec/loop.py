@@ -5,6 +5,7 @@ train_step(): autocast, scale, backward, unscale, clip, step (maybe skipped), up
 happens around each step (counters, scheduler, logs, checkpoints, stop signals) is the
 StepLedger's (ledger.py), which settles a step at once or, on a GPU, one step late.
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -59,13 +60,14 @@ class TrainState:
     batch_in_epoch: int = 0  # micro-batches consumed this epoch: where a resume picks up
     skipped_steps: int = 0
     attempts: int = 0  # optimizer steps attempted, skipped ones included
-    val: dict = field(default_factory=dict)  # the last evaluation: {"val/loss": ..., "val/acc1": ...}
+    val: dict = field(
+        default_factory=dict
+    )  # the last evaluation: {"val/loss": ..., "val/acc1": ...}
     last_loss: float | None = None
     layout: dict = field(default_factory=dict)  # batch, accum, world: what the counts are in
 
-
     @classmethod
-    def restored(cls, saved: dict, layout: dict) -> "TrainState":
+    def restored(cls, saved: dict, layout: dict) -> TrainState:
         """The state a checkpoint saved (older checkpoints kept val_loss/val_acc1 as fields)."""
         saved = dict(saved)
         val = saved.pop("val", None) or {}
@@ -88,10 +90,15 @@ class StepResult:
         return self.ran()
 
 
-def train_step(learner: Learner, micro_batches: list, clip_grad_norm: float | None = None,
-               want_grad_norm: bool = False, no_sync: Callable = lambda model: nullcontext(),
-               before_step: Callable[[], None] = lambda: None,
-               want_grads: bool = False) -> StepResult:
+def train_step(
+    learner: Learner,
+    micro_batches: list,
+    clip_grad_norm: float | None = None,
+    want_grad_norm: bool = False,
+    no_sync: Callable = lambda model: nullcontext(),
+    before_step: Callable[[], None] = lambda: None,
+    want_grads: bool = False,
+) -> StepResult:
     """One optimizer step over `accum` micro-batches, in any precision."""
     model, optimizer, prec = learner.model, learner.optimizer, learner.precision
     accum, total = len(micro_batches), 0.0
@@ -109,8 +116,11 @@ def train_step(learner: Learner, micro_batches: list, clip_grad_norm: float | No
     grad_norm = grads = None
     if clip_grad_norm is not None or want_grad_norm:  # clip the true gradients / measure them
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        grad_norm = (clip_grad_norm_(params, clip_grad_norm) if clip_grad_norm is not None
-                     else get_total_norm([p.grad for p in params]))
+        grad_norm = (
+            clip_grad_norm_(params, clip_grad_norm)
+            if clip_grad_norm is not None
+            else get_total_norm([p.grad for p in params])
+        )
         if want_grads:  # the true gradients, for histograms (diagnose=true)
             grads = torch.cat([p.grad.detach().float().flatten() for p in params])
     prec.scaler.step(optimizer)  # skipped if any gradient is inf/nan
@@ -120,8 +130,9 @@ def train_step(learner: Learner, micro_batches: list, clip_grad_norm: float | No
 
 
 @torch.no_grad()
-def evaluate(learner: Learner, batches: Iterable,
-             reduce: Callable = lambda t, op="sum": t) -> dict[str, float]:
+def evaluate(
+    learner: Learner, batches: Iterable, reduce: Callable = lambda t, op="sum": t
+) -> dict[str, float]:
     """{"val/loss": mean loss, "val/acc1": top-1, ...}: the learner's loss and every validation
     metric of the registry (metrics.py), over the whole validation set (summed over ranks)."""
     model, extra = learner.model, metrics.evaluated()
@@ -130,9 +141,11 @@ def evaluate(learner: Learner, batches: Iterable,
     for x, y in batches:
         with learner.precision.autocast():
             logits = model(x)
-        batch = [learner.loss_fn(logits.float(), y, reduction="sum"),
-                 *(m.batch_sum(logits, y) for m in extra),
-                 torch.tensor(float(len(y)), device=y.device)]
+        batch = [
+            learner.loss_fn(logits.float(), y, reduction="sum"),
+            *(m.batch_sum(logits, y) for m in extra),
+            torch.tensor(float(len(y)), device=y.device),
+        ]
         sums = torch.stack(batch) if sums is None else sums + torch.stack(batch)
     model.train()
     *totals, n = reduce(sums).tolist()
@@ -146,8 +159,15 @@ def train(learner: Learner, data, state: TrainState, plan: Plan, hooks: Hooks) -
     for epoch in range(state.epoch, plan.epochs):
         for micro_batches in ledger.batches(data.train, epoch):
             logged = ledger.wants_grad_norm()
-            out = train_step(learner, micro_batches, plan.clip_grad_norm, logged,
-                             hooks.dist.no_sync, ledger.settle_late, logged and hooks.grad_histograms)
+            out = train_step(
+                learner,
+                micro_batches,
+                plan.clip_grad_norm,
+                logged,
+                hooks.dist.no_sync,
+                ledger.settle_late,
+                logged and hooks.grad_histograms,
+            )
             ledger.record(out)
         ledger.settle_pending()
         with hooks.meter.paused():

@@ -1,5 +1,6 @@
 """What a run says to the person at the terminal: the final line (how it ended, its headline
 numbers, where its files are) and the exact next command or advice."""
+
 from __future__ import annotations
 
 import shlex
@@ -17,31 +18,38 @@ def final_line(s) -> str:
     if s.status == "completed":
         sps = f"{sm['samples_per_s']:,.0f} samples/s" if sm["samples_per_s"] else "samples/s n/a"
         acc = f"val_acc1 {sm['val_acc1']:.4f}" if sm["val_acc1"] is not None else "no evaluation"
-        return (f"{head}: {acc}, {sps}, peak {sm['peak_mem_gib']:.2f} GiB ({sm['memory']}) -> "
-                f"{run_dir}")
+        return (
+            f"{head}: {acc}, {sps}, peak {sm['peak_mem_gib']:.2f} GiB ({sm['memory']}) -> {run_dir}"
+        )
     ckpt = sm["checkpoint"] or "none written"
     if s.status == "preempted":
         name = signal.Signals(s.error.signum).name
-        return (f"{head} ({name}); checkpoint: {ckpt}; continue with: "
-                f"{resume_command(run_dir)}")
+        return f"{head} ({name}); checkpoint: {ckpt}; continue with: {resume_command(run_dir)}"
     return f"{head} ({s.error.label if s.error else 'error'}); last checkpoint: {ckpt} -> {run_dir}"
 
 
 def resume_command(run_dir: Path) -> str:
     """The command that continues this run: its overrides, resume=auto and its run dir."""
-    keep = [o for o in launch.task_overrides()
-            if not o.startswith(("resume=", "hydra.run.dir=", "hydra.sweep.", "hydra/launcher"))]
+    keep = [
+        o
+        for o in launch.task_overrides()
+        if not o.startswith(("resume=", "hydra.run.dir=", "hydra.sweep.", "hydra/launcher"))
+    ]
     args = [*keep, "resume=auto", f"hydra.run.dir={run_dir}"]
     return " ".join(["python", Path(sys.argv[0]).name or "train.py", *map(shlex.quote, args)])
 
 
 def oom_advice(p) -> str:
     mem = hardware.memory_stats(p.device)
-    return (f"out of GPU memory at batch={p.layout.batch} (peak {mem['mem/peak_gib']:.2f} GiB, "
-            f"cap {p.hw.memory_gib} GiB on {p.hw.name}); try a smaller batch, "
-            "model.grad_checkpointing=true, or batch=auto")
+    return (
+        f"out of GPU memory at batch={p.layout.batch} (peak {mem['mem/peak_gib']:.2f} GiB, "
+        f"cap {p.hw.memory_gib} GiB on {p.hw.name}); try a smaller batch, "
+        "model.grad_checkpointing=true, or batch=auto"
+    )
 
 
 def diverged(step: int, advice: str) -> str:
-    return (f"the run ended at step {step} with non-finite loss, weights or BatchNorm "
-            f"statistics; its results are not usable. Try {advice}")
+    return (
+        f"the run ended at step {step} with non-finite loss, weights or BatchNorm "
+        f"statistics; its results are not usable. Try {advice}"
+    )

@@ -8,6 +8,7 @@ Adding a validation metric is one line: e.g. top-5 accuracy as an objective,
 makes evaluate() compute it, the log and W&B show it, summary.json carry `val_acc5`, and
 `objective=val_acc5` valid (docs/extending.md).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,9 +19,11 @@ import torch
 
 def correct(k: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Top-k correct predictions in a batch (k capped at the number of classes)."""
+
     def batch_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices
         return (top == y.unsqueeze(-1)).any(-1).sum().float()
+
     return batch_sum
 
 

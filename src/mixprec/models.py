@@ -1,10 +1,10 @@
 """Models come from timm (any `model.name` in timm.list_models()), plus one small CNN sized for
 the embedded 8x8 digits, registered with timm so it is built the same way as every other model."""
+
 from __future__ import annotations
 
 import difflib
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -22,7 +22,6 @@ log = logging.getLogger(__name__)
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-BLOCK_RECOMPILE_LIMIT = 64  # compile_scope=blocks: one graph per distinct block shape (ResNet-50: 8)
 
 
 @dataclass
@@ -35,23 +34,35 @@ class ModelConfig:
     compile_mode: Optional[str] = MISSING  # torch.compile mode: null, reduce-overhead, max-autotune
     compile_options: Dict[str, Any] = MISSING  # inductor options on top of the mode
     compile_scope: str = MISSING  # model: one graph; blocks: each repeated block (compiles faster)
-    cuda_graphs: bool = MISSING  # capture forward+backward once, replay it (static shapes, GPU only)
+    cuda_graphs: bool = (
+        MISSING  # capture forward+backward once, replay it (static shapes, GPU only)
+    )
     triton_max_pool: bool = MISSING  # nn.MaxPool2d through mixprec's Triton kernels (ops.py)
-    grad_checkpointing: bool = MISSING  # recompute activations in backward: less memory, more compute
+    grad_checkpointing: bool = (
+        MISSING  # recompute activations in backward: less memory, more compute
+    )
     kwargs: Dict[str, Any] = MISSING  # extra timm.create_model arguments
 
     def __post_init__(self) -> None:
         check_name(self.name)
         one_of("model.compile_mode", self.compile_mode, COMPILE_MODES)
         one_of("model.compile_scope", self.compile_scope, COMPILE_SCOPES)
-        check(self.compile_scope == "model" or self.compile_mode not in CUDA_GRAPH_MODES,
-              "model.compile_scope", self.compile_scope, "model with compile_mode="
-              f"{self.compile_mode} (CUDA graphs of one region would overwrite the outputs the "
-              "next region reads); for blocks use compile_mode null/default or "
-              "max-autotune-no-cudagraphs")
-        check(not (self.cuda_graphs and (self.compile or self.grad_checkpointing)),
-              "model.cuda_graphs", self.cuda_graphs, "false with model.compile or "
-              "model.grad_checkpointing (compile_mode=reduce-overhead graphs a compiled model)")
+        check(
+            self.compile_scope == "model" or self.compile_mode not in CUDA_GRAPH_MODES,
+            "model.compile_scope",
+            self.compile_scope,
+            "model with compile_mode="
+            f"{self.compile_mode} (CUDA graphs of one region would overwrite the outputs the "
+            "next region reads); for blocks use compile_mode null/default or "
+            "max-autotune-no-cudagraphs",
+        )
+        check(
+            not (self.cuda_graphs and (self.compile or self.grad_checkpointing)),
+            "model.cuda_graphs",
+            self.cuda_graphs,
+            "false with model.compile or "
+            "model.grad_checkpointing (compile_mode=reduce-overhead graphs a compiled model)",
+        )
 
 
 class DigitsCNN(nn.Module):
@@ -63,9 +74,13 @@ class DigitsCNN(nn.Module):
     def __init__(self, num_classes: int = 10, in_chans: int = 1, width: int = 32, **_):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(in_chans, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, padding=1, bias=False), nn.BatchNorm2d(2 * width),
-            nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(in_chans, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(2 * width),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
         )
         self.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.1), nn.LazyLinear(num_classes))
         self.grad_checkpointing = False
@@ -91,8 +106,14 @@ class DigitsMLP(nn.Module):
 
     def __init__(self, num_classes: int = 10, in_chans: int = 1, width: int = 128, **_):
         super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.LazyLinear(width), nn.ReLU(),
-                                 nn.Linear(width, width), nn.ReLU(), nn.Linear(width, num_classes))
+        self.net = nn.Sequential(
+            nn.Flatten(),
+            nn.LazyLinear(width),
+            nn.ReLU(),
+            nn.Linear(width, width),
+            nn.ReLU(),
+            nn.Linear(width, num_classes),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -107,22 +128,32 @@ def check_name(name: str) -> None:
     if not timm.is_model(name):
         close = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.6)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ConfigError(f"model.name={name!r} is not a timm model{hint} "
-                          "(allowed: any name in timm.list_models(), e.g. resnet50, "
-                          "convnext_tiny, vit_small_patch16_224, mixprec_digits_cnn)")
+        raise ConfigError(
+            f"model.name={name!r} is not a timm model{hint} "
+            "(allowed: any name in timm.list_models(), e.g. resnet50, "
+            "convnext_tiny, vit_small_patch16_224, mixprec_digits_cnn)"
+        )
 
 
-def build(mcfg: ModelConfig, num_classes: int, input_shape: tuple[int, int, int],
-          device: torch.device) -> nn.Module:
+def build(
+    mcfg: ModelConfig, num_classes: int, input_shape: tuple[int, int, int], device: torch.device
+) -> nn.Module:
     """The model on its device, in its memory format, materialised, with activation
     checkpointing and the Triton max-pool if asked: everything before the precision converts it
     (build.assemble holds the order: model, precision, parallel wrap, compile, optimizer)."""
     try:
-        model = timm.create_model(mcfg.name, pretrained=False, num_classes=num_classes,
-                                  in_chans=input_shape[0], **mcfg.kwargs)
+        model = timm.create_model(
+            mcfg.name,
+            pretrained=False,
+            num_classes=num_classes,
+            in_chans=input_shape[0],
+            **mcfg.kwargs,
+        )
     except (TypeError, ValueError) as e:  # e.g. a model.kwargs key this model does not take
-        raise ConfigError(f"model.name={mcfg.name!r} with model.kwargs={dict(mcfg.kwargs)}: "
-                          f"{str(e).splitlines()[0][:200]}") from None
+        raise ConfigError(
+            f"model.name={mcfg.name!r} with model.kwargs={dict(mcfg.kwargs)}: "
+            f"{str(e).splitlines()[0][:200]}"
+        ) from None
     model.to(device)
     _materialise(model, mcfg.name, input_shape, device)
     if mcfg.grad_checkpointing:
@@ -131,29 +162,11 @@ def build(mcfg: ModelConfig, num_classes: int, input_shape: tuple[int, int, int]
         model.to(memory_format=torch.channels_last)
         log.info("model.channels_last: weights (and every input batch) in NHWC")
     if mcfg.triton_max_pool:
-        log.info("model.triton_max_pool: %d nn.MaxPool2d run mixprec::max_pool2d (Triton "
-                 "kernels for channels-last CUDA tensors)", use_triton_max_pool(model))
-    return model
-
-
-def compiled(model: nn.Module, mcfg: ModelConfig) -> nn.Module:
-    """torch.compile as configured, over the (possibly wrapped) model: the whole of it, or each
-    repeated block in place (compile_scope=blocks). Returns the model to train."""
-    if not mcfg.compile:
-        if mcfg.compile_options:  # e.g. experiment=fast model.compile=false: the eager baseline
-            log.info("model.compile=false: model.compile_options %s unused",
-                     dict(mcfg.compile_options))
-        return model
-    t0 = time.perf_counter()
-    if mcfg.compile_scope == "blocks":
-        blocks = compile_blocks(unwrap(model), mcfg.name, mcfg.compile_mode, dict(mcfg.compile_options))
-        what = f"{len(blocks)} repeated blocks ({type(blocks[0]).__name__}) one by one"
-    else:
-        model = compile_model(model, mcfg.compile_mode, dict(mcfg.compile_options))
-        what = "the model"
-    log.info("model.compile: torch.compile(mode=%s, options=%s) wraps %s in %.1fs; the first "
-             "steps compile (excluded from samples_per_s by trainer.perf_warmup_steps)",
-             mcfg.compile_mode, dict(mcfg.compile_options), what, time.perf_counter() - t0)
+        log.info(
+            "model.triton_max_pool: %d nn.MaxPool2d run mixprec::max_pool2d (Triton "
+            "kernels for channels-last CUDA tensors)",
+            use_triton_max_pool(model),
+        )
     return model
 
 
@@ -180,80 +193,13 @@ def _materialise(model: nn.Module, name: str, input_shape, device: torch.device)
             model.eval()(torch.zeros(1, *input_shape, device=device))
     except (RuntimeError, AssertionError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise ConfigError(f"model.name={name!r} cannot take this data's input of shape "
-                          f"{tuple(input_shape)} ({first}); pick a model for that input size "
-                          "(e.g. model=digits_cnn for data=digits; vit/convnext models want "
-                          "ImageNet-sized images such as data=synthetic)") from None
+        raise ConfigError(
+            f"model.name={name!r} cannot take this data's input of shape "
+            f"{tuple(input_shape)} ({first}); pick a model for that input size "
+            "(e.g. model=digits_cnn for data=digits; vit/convnext models want "
+            "ImageNet-sized images such as data=synthetic)"
+        ) from None
     model.train()
-
-
-def compile_kwargs(mode: str | None, options: dict) -> dict:
-    """torch.compile's arguments for a mode and, on top of it, inductor options
-    (model.compile_options, e.g. conv_1x1_as_mm). torch.compile takes a mode or options, not
-    both, so the mode's own options (torch._inductor.list_mode_options) go under the user's."""
-    if not options:
-        return {"mode": mode}
-    from torch import _inductor
-    return {"options": {**_inductor.list_mode_options(mode or "default"), **options}}
-
-
-def compile_model(model: nn.Module, mode: str | None, options: dict) -> nn.Module:
-    """torch.compile(model) with compile_kwargs(mode, options)."""
-    try:
-        return torch.compile(model, **compile_kwargs(mode, options))
-    except RuntimeError as e:  # torch names every known option; keep the message short
-        raise ConfigError(f"model.compile_options: {str(e).split(', known options')[0]} "
-                          "(allowed: the keys of torch._inductor.config)") from None
-
-
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The innermost runs of repeated blocks: the children of every Sequential or ModuleList
-    that holds two or more modules of one class with modules of their own, and no such run
-    inside them (timm: ViT's `blocks`, ConvNeXt's stage blocks, ResNet's Bottlenecks)."""
-    def run_of(m: nn.Module) -> list[nn.Module]:
-        kids = list(m.children()) if isinstance(m, (nn.Sequential, nn.ModuleList)) else []
-        same = len(kids) >= 2 and len({type(k) for k in kids}) == 1
-        return kids if same and any(True for _ in kids[0].children()) else []
-
-    runs = [run_of(m) for m in model.modules()]
-    inner = [r for r in runs if r and not any(run_of(m) for k in r for m in k.modules())]
-    return [block for r in inner for block in r]
-
-
-def compile_blocks(model: nn.Module, name: str, mode: str | None, options: dict) -> list[nn.Module]:
-    """model.compile_scope=blocks (regional compilation): each repeated block is compiled in
-    place (nn.Module.compile: the state_dict keeps its names) with static shapes; identical
-    blocks share one compiled graph, so a 24-block ViT compiles one block instead of 24. The
-    rest of the model (stem, head) runs eagerly. Each distinct block shape is one recompile:
-    process.apply raises dynamo's limit to BLOCK_RECOMPILE_LIMIT for this scope."""
-    blocks = repeated_blocks(model)
-    if not blocks:
-        raise ConfigError(f"model.compile_scope=blocks: model.name={name!r} has no repeated "
-                          "blocks (a Sequential or ModuleList of one block class); use "
-                          "model.compile_scope=model")
-    kwargs = compile_kwargs(mode, options)
-    for block in blocks:
-        block.compile(dynamic=False, **kwargs)
-    return blocks
-
-
-def capture_graphs(model: nn.Module, example: torch.Tensor, prec) -> nn.Module:
-    """model.cuda_graphs: forward and backward captured once as CUDA graphs
-    (torch.cuda.make_graphed_callables) and replayed every training step, so the CPU launches
-    one graph instead of hundreds of kernels. Evaluation (model.eval()) runs the eager forward.
-    `prec` must be built with cache=False (torch: no autocast cast cache around graphs)."""
-    if example.device.type != "cuda":
-        raise ConfigError("model.cuda_graphs=true captures CUDA graphs and needs a GPU; set it "
-                          "false on the CPU")
-    if prec.cache:
-        raise ValueError("capture_graphs needs a precision built with cache=False")
-    t0 = time.perf_counter()
-    with prec.autocast():
-        graphed = torch.cuda.make_graphed_callables(model, (example,))
-    log.info("model.cuda_graphs: forward+backward captured for a batch of %d in %.1fs (3 warm-up "
-             "passes); every training step now replays them", len(example),
-             time.perf_counter() - t0)
-    return graphed
 
 
 class _CheckpointedSequential(nn.Module):
@@ -282,5 +228,7 @@ def enable_grad_checkpointing(model: nn.Module, name: str) -> nn.Module:
         reason = "no set_grad_checkpointing()"
     if isinstance(model, nn.Sequential):
         return _CheckpointedSequential(model)
-    raise ConfigError(f"model.grad_checkpointing=true: {name} does not support it ({reason}); "
-                      "use a timm model that does (resnet*, convnext*, vit_*) or set it false")
+    raise ConfigError(
+        f"model.grad_checkpointing=true: {name} does not support it ({reason}); "
+        "use a timm model that does (resnet*, convnext*, vit_*) or set it false"
+    )

@@ -15,6 +15,7 @@ windows and no dilation run the Triton kernels; everything else (CPU, NCHW, dila
 aten's kernels and converts the indices, so results are the same everywhere: NaN propagates
 and ties go to the first maximum, as in aten.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,11 +23,7 @@ import os
 import torch
 from torch import nn
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # a CPU-only torch without Triton: the aten path only
-    triton = None
+from .triton_pool import _backward_kernel, _forward_kernel, _launch, triton  # noqa: F401
 
 
 def _pooled(x: torch.Tensor, k, s, p, d, ceil) -> torch.Tensor:
@@ -47,86 +44,24 @@ def _out_like(shape, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _is_nhwc(t: torch.Tensor) -> bool:
-    return t.dim() == 4 and t.size(1) > 1 and not t.is_contiguous() and t.is_contiguous(
-        memory_format=torch.channels_last)
+    return (
+        t.dim() == 4
+        and t.size(1) > 1
+        and not t.is_contiguous()
+        and t.is_contiguous(memory_format=torch.channels_last)
+    )
 
 
 def _use_triton(t: torch.Tensor, kernel_size, stride, padding, dilation) -> bool:
     """The kernels take channels-last tensors and square windows without dilation."""
     square = all(v[0] == v[1] for v in (kernel_size, stride, padding))
-    return (triton is not None and _is_nhwc(t) and square and list(dilation) == [1, 1]
-            and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
-
-
-# ----- the kernels: a block of pixels (rows) times a block of channels (columns), NHWC -----
-if triton is not None:
-    _CONFIGS = [triton.Config({"BLOCK_P": bp}, num_warps=w) for bp, w in
-                ((16, 4), (32, 4), (64, 8), (128, 8))]
-
-    @triton.autotune(configs=_CONFIGS, key=["C", "H", "W"])
-    @triton.jit
-    def _forward_kernel(x_ptr, out_ptr, off_ptr, NPIX, H, W, OH, OW, C, K: tl.constexpr,
-                        S: tl.constexpr, PAD: tl.constexpr, BLOCK_P: tl.constexpr,
-                        BLOCK_C: tl.constexpr):
-        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # output pixels n*OH*OW + ...
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        pmask, cmask = p < NPIX, c < C
-        ow, oh, n = p % OW, (p // OW) % OH, p // (OW * OH)
-        best = tl.full([BLOCK_P, BLOCK_C], float("-inf"), tl.float32)
-        arg = tl.zeros([BLOCK_P, BLOCK_C], tl.int32)
-        seen = tl.zeros([BLOCK_P, BLOCK_C], tl.int32)
-        for kh in tl.static_range(K):
-            ih = oh * S - PAD + kh
-            for kw in tl.static_range(K):
-                iw = ow * S - PAD + kw
-                ok = (pmask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))[:, None] & cmask[None, :]
-                row = ((n * H + ih) * W + iw).to(tl.int64) * C
-                v = tl.load(x_ptr + row[:, None] + c[None, :], mask=ok).to(tl.float32)
-                take = ok & ((v > best) | (v != v) | (seen == 0))  # aten: first max, NaN wins
-                best = tl.where(take, v, best)
-                arg = tl.where(take, kh * K + kw, arg)
-                seen = tl.where(ok, 1, seen)
-        at = p.to(tl.int64)[:, None] * C + c[None, :]
-        mask = pmask[:, None] & cmask[None, :]
-        tl.store(out_ptr + at, best.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(off_ptr + at, arg.to(tl.int8), mask=mask)
-
-    @triton.autotune(configs=_CONFIGS, key=["C", "H", "W"])
-    @triton.jit
-    def _backward_kernel(g_ptr, off_ptr, dx_ptr, NPIX, H, W, OH, OW, C, K: tl.constexpr,
-                         S: tl.constexpr, PAD: tl.constexpr, SPAN: tl.constexpr,
-                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-        """SPAN = ceil(K / S): the windows along one axis that can hold a pixel."""
-        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # input pixels n*H*W + ...
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        pmask, cmask = p < NPIX, c < C
-        w, h, n = p % W, (p // W) % H, p // (W * H)
-        acc = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
-        for i in tl.static_range(SPAN):
-            oh = (h + PAD) // S - (SPAN - 1 - i)  # ascending, as aten sums them
-            kh = h + PAD - oh * S
-            okh = (oh >= 0) & (oh < OH) & (kh < K)
-            for j in tl.static_range(SPAN):
-                ow = (w + PAD) // S - (SPAN - 1 - j)
-                kw = w + PAD - ow * S
-                ok = pmask & okh & (ow >= 0) & (ow < OW) & (kw < K)
-                at = ((n * OH + oh) * OW + ow).to(tl.int64)[:, None] * C + c[None, :]
-                mask = ok[:, None] & cmask[None, :]
-                hit = mask & (tl.load(off_ptr + at, mask=mask, other=-1) == (kh * K + kw)[:, None])
-                acc += tl.load(g_ptr + at, mask=hit, other=0.0).to(tl.float32)
-        out = p.to(tl.int64)[:, None] * C + c[None, :]
-        tl.store(dx_ptr + out, acc.to(dx_ptr.dtype.element_ty),
-                 mask=pmask[:, None] & cmask[None, :])
-
-
-def _launch(kernel, npix: int, channels: int, *args) -> None:
-    block_c = min(64, triton.next_power_of_2(channels))
-    grid = lambda meta: (triton.cdiv(npix, meta["BLOCK_P"]), triton.cdiv(channels, block_c))  # noqa: E731
-    if os.environ.get("TRITON_INTERPRET") == "1":  # the tests' CPU interpreter: no autotuning
-        kernel.fn[(triton.cdiv(npix, 16), triton.cdiv(channels, block_c))](
-            *args, BLOCK_P=16, BLOCK_C=block_c)
-    else:
-        kernel[grid](*args, BLOCK_C=block_c)
+    return (
+        triton is not None
+        and _is_nhwc(t)
+        and square
+        and list(dilation) == [1, 1]
+        and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    )
 
 
 # ----- the aten path, converting between aten's flat input index and the window offset -----
@@ -151,14 +86,20 @@ def _aten_backward(grad, offsets, x_size, k, s, p, d, ceil):
     iw = _corners(ow, s[1], p[1], grad.device)[None, :] + off % k[1] * d[1]
     like = _out_like(x_size, offsets, grad.dtype)  # aten reads only its shape and layout
     return torch.ops.aten.max_pool2d_with_indices_backward(
-        grad, like, k, s, p, d, ceil, ih * x_size[-1] + iw).contiguous(
-        memory_format=_format(offsets))
+        grad, like, k, s, p, d, ceil, ih * x_size[-1] + iw
+    ).contiguous(memory_format=_format(offsets))
 
 
 # ----- the custom ops -----
 @torch.library.custom_op("mixprec::max_pool2d", mutates_args=())
-def max_pool2d(x: torch.Tensor, kernel_size: list[int], stride: list[int], padding: list[int],
-               dilation: list[int], ceil_mode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def max_pool2d(
+    x: torch.Tensor,
+    kernel_size: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    ceil_mode: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The pooled output and, per output element, its argmax's offset in the window (int8)."""
     if not _use_triton(x, kernel_size, stride, padding, dilation):
         return _aten_forward(x, kernel_size, stride, padding, dilation, ceil_mode)
@@ -166,8 +107,23 @@ def max_pool2d(x: torch.Tensor, kernel_size: list[int], stride: list[int], paddi
     offsets = torch.empty_like(out, dtype=torch.int8)
     n, c, h, w = x.shape
     oh, ow = out.shape[-2:]
-    _launch(_forward_kernel, n * oh * ow, c, x, out, offsets, n * oh * ow, h, w, oh, ow, c,
-            kernel_size[0], stride[0], padding[0])
+    _launch(
+        _forward_kernel,
+        n * oh * ow,
+        c,
+        x,
+        out,
+        offsets,
+        n * oh * ow,
+        h,
+        w,
+        oh,
+        ow,
+        c,
+        kernel_size[0],
+        stride[0],
+        padding[0],
+    )
     return out, offsets
 
 
@@ -178,20 +134,43 @@ def _(x, kernel_size, stride, padding, dilation, ceil_mode):
 
 
 @torch.library.custom_op("mixprec::max_pool2d_backward", mutates_args=())
-def max_pool2d_backward(grad: torch.Tensor, offsets: torch.Tensor, x_size: list[int],
-                        kernel_size: list[int], stride: list[int], padding: list[int],
-                        dilation: list[int], ceil_mode: bool) -> torch.Tensor:
+def max_pool2d_backward(
+    grad: torch.Tensor,
+    offsets: torch.Tensor,
+    x_size: list[int],
+    kernel_size: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    ceil_mode: bool,
+) -> torch.Tensor:
     """The input's gradient (in the layout of the forward's input, which the offsets keep):
     each output's gradient goes to its argmax."""
     if not _use_triton(offsets, kernel_size, stride, padding, dilation):
-        return _aten_backward(grad, offsets, x_size, kernel_size, stride, padding, dilation,
-                              ceil_mode)
+        return _aten_backward(
+            grad, offsets, x_size, kernel_size, stride, padding, dilation, ceil_mode
+        )
     grad = grad.contiguous(memory_format=torch.channels_last)  # usually already
     n, c, h, w = x_size
     dx = _out_like(x_size, offsets, grad.dtype)
-    _launch(_backward_kernel, n * h * w, c, grad, offsets, dx, n * h * w, h, w,
-            grad.size(2), grad.size(3), c, kernel_size[0], stride[0], padding[0],
-            -(-kernel_size[0] // stride[0]))
+    _launch(
+        _backward_kernel,
+        n * h * w,
+        c,
+        grad,
+        offsets,
+        dx,
+        n * h * w,
+        h,
+        w,
+        grad.size(2),
+        grad.size(3),
+        c,
+        kernel_size[0],
+        stride[0],
+        padding[0],
+        -(-kernel_size[0] // stride[0]),
+    )
     return dx
 
 
@@ -211,9 +190,15 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad, _grad_offsets):
     if grad is None:  # the output was not used in the loss
         return None, None, None, None, None, None
-    offsets, = ctx.saved_tensors
-    return (max_pool2d_backward(grad, offsets, ctx.x_size, *ctx.pool_args),
-            None, None, None, None, None)
+    (offsets,) = ctx.saved_tensors
+    return (
+        max_pool2d_backward(grad, offsets, ctx.x_size, *ctx.pool_args),
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 max_pool2d.register_autograd(_backward, setup_context=_setup_context)
@@ -228,16 +213,26 @@ class TritonMaxPool2d(nn.MaxPool2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         stride = self.stride if self.stride is not None else self.kernel_size
-        return max_pool2d(x, _pair(self.kernel_size), _pair(stride), _pair(self.padding),
-                          _pair(self.dilation), self.ceil_mode)[0]
+        return max_pool2d(
+            x,
+            _pair(self.kernel_size),
+            _pair(stride),
+            _pair(self.padding),
+            _pair(self.dilation),
+            self.ceil_mode,
+        )[0]
 
 
 def use_triton_max_pool(model: nn.Module) -> int:
     """Makes every nn.MaxPool2d of `model` (that returns no indices, with a window of at most 127
     elements: the int8 offsets) a TritonMaxPool2d, in place; returns how many it changed."""
-    pools = [m for m in model.modules()  # the exact class: not a subclass with its own forward
-             if type(m) is nn.MaxPool2d and not m.return_indices  # noqa: E721
-             and _pair(m.kernel_size)[0] * _pair(m.kernel_size)[1] <= 127]
+    pools = [
+        m
+        for m in model.modules()  # the exact class: not a subclass with its own forward
+        if type(m) is nn.MaxPool2d
+        and not m.return_indices  # noqa: E721
+        and _pair(m.kernel_size)[0] * _pair(m.kernel_size)[1] <= 127
+    ]
     for m in pools:
         m.__class__ = TritonMaxPool2d
     return len(pools)

@@ -2,6 +2,7 @@
 LR schedules. Schedules count real optimizer steps: the loop steps them only after a step that
 GradScaler did not skip. Which keys each optimizer and schedule reads is the registry below:
 a key set for an option that does not read it is a config error, not silently ignored."""
+
 from __future__ import annotations
 
 import logging
@@ -20,10 +21,12 @@ log = logging.getLogger(__name__)
 
 # the keys each option reads beside name/lr/... (conf/optimizer/*.yaml, conf/scheduler/*.yaml)
 OPTIMIZER_KEYS = {"sgd": ("momentum", "nesterov"), "adamw": ("betas", "eps")}
-SCHEDULE_KEYS = {"cosine": ("warmup_steps", "warmup_fraction", "warmup_start", "min_lr_ratio"),
-                 "step": ("warmup_steps", "warmup_fraction", "warmup_start", "step_size", "gamma"),
-                 "onecycle": ("pct_start",),
-                 "constant": ("warmup_steps", "warmup_fraction", "warmup_start")}
+SCHEDULE_KEYS = {
+    "cosine": ("warmup_steps", "warmup_fraction", "warmup_start", "min_lr_ratio"),
+    "step": ("warmup_steps", "warmup_fraction", "warmup_start", "step_size", "gamma"),
+    "onecycle": ("pct_start",),
+    "constant": ("warmup_steps", "warmup_fraction", "warmup_start"),
+}
 LR_SCALING = ("linear", "sqrt", "none")
 
 
@@ -34,8 +37,10 @@ def _only_its_keys(group: str, cfg, registry: dict) -> None:
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         if f.name in optional and f.name not in registry[cfg.name] and value is not None:
-            raise ConfigError(f"{group}.{f.name}={value!r} is not read by {group}={cfg.name} "
-                              f"(its keys: {', '.join(registry[cfg.name])})")
+            raise ConfigError(
+                f"{group}.{f.name}={value!r} is not read by {group}={cfg.name} "
+                f"(its keys: {', '.join(registry[cfg.name])})"
+            )
 
 
 @dataclass
@@ -60,10 +65,18 @@ class OptimizerConfig:
         check(self.base_batch >= 1, "optimizer.base_batch", self.base_batch, "an int >= 1")
         one_of("optimizer.scale_lr", self.scale_lr, LR_SCALING)
         check(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, ">= 0")
-        check(self.betas is None or len(self.betas) == 2, "optimizer.betas", self.betas,
-              "a list of two floats")
-        check(not (self.fused and self.foreach), "optimizer.fused", self.fused,
-              "false or null when optimizer.foreach=true (torch allows only one)")
+        check(
+            self.betas is None or len(self.betas) == 2,
+            "optimizer.betas",
+            self.betas,
+            "a list of two floats",
+        )
+        check(
+            not (self.fused and self.foreach),
+            "optimizer.fused",
+            self.fused,
+            "false or null when optimizer.foreach=true (torch allows only one)",
+        )
 
 
 @dataclass
@@ -81,16 +94,28 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _only_its_keys("scheduler", self, SCHEDULE_KEYS)
-        ranges = {"warmup_fraction": (0, 1, "in [0, 1)"), "warmup_start": (0, 1, "in (0, 1]"),
-                  "min_lr_ratio": (0, 1, "in [0, 1]"), "gamma": (0, 1, "in (0, 1]"),
-                  "pct_start": (0, 1, "in (0, 1)")}
+        ranges = {
+            "warmup_fraction": (0, 1, "in [0, 1)"),
+            "warmup_start": (0, 1, "in (0, 1]"),
+            "min_lr_ratio": (0, 1, "in [0, 1]"),
+            "gamma": (0, 1, "in (0, 1]"),
+            "pct_start": (0, 1, "in (0, 1)"),
+        }
         for key, (lo, hi, text) in ranges.items():
             v = getattr(self, key)
             check(v is None or lo <= v <= hi, f"scheduler.{key}", v, text)
-        check(self.warmup_steps is None or self.warmup_steps >= 0, "scheduler.warmup_steps",
-              self.warmup_steps, "null (use warmup_fraction) or an int >= 0")
-        check(self.step_size is None or self.step_size >= 1, "scheduler.step_size",
-              self.step_size, ">= 1")
+        check(
+            self.warmup_steps is None or self.warmup_steps >= 0,
+            "scheduler.warmup_steps",
+            self.warmup_steps,
+            "null (use warmup_fraction) or an int >= 0",
+        )
+        check(
+            self.step_size is None or self.step_size >= 1,
+            "scheduler.step_size",
+            self.step_size,
+            ">= 1",
+        )
 
     def warmup(self, total_steps: int) -> int:
         """Warm-up length in optimizer steps: warmup_steps if given, else the fraction."""
@@ -126,28 +151,43 @@ def zero_momentum(optimizer: torch.optim.Optimizer) -> None:
                 optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
 
 
-def build_optimizer(ocfg: OptimizerConfig, model: torch.nn.Module, lr: float,
-                    device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(
+    ocfg: OptimizerConfig, model: torch.nn.Module, lr: float, device: torch.device
+) -> torch.optim.Optimizer:
     fused = use_fused(ocfg, device.type)
     kwargs = dict(fused=True) if fused else dict(foreach=ocfg.foreach)
-    kwargs.update({k: tuple(v) if isinstance(v, list) else v
-                   for k in OPTIMIZER_KEYS[ocfg.name] for v in [getattr(ocfg, k)]})
-    log.info("optimizer=%s: %s", ocfg.name, "fused kernels" if fused else
-             {True: "foreach kernels", False: "per-tensor kernels"}.get(
-                 ocfg.foreach, "torch's default kernels (foreach on a GPU)"))
-    optimizer = create_optimizer_v2(model, ocfg.name, lr=lr, weight_decay=ocfg.weight_decay,
-                                    **kwargs)
+    kwargs.update(
+        {
+            k: tuple(v) if isinstance(v, list) else v
+            for k in OPTIMIZER_KEYS[ocfg.name]
+            for v in [getattr(ocfg, k)]
+        }
+    )
+    log.info(
+        "optimizer=%s: %s",
+        ocfg.name,
+        "fused kernels"
+        if fused
+        else {True: "foreach kernels", False: "per-tensor kernels"}.get(
+            ocfg.foreach, "torch's default kernels (foreach on a GPU)"
+        ),
+    )
+    optimizer = create_optimizer_v2(
+        model, ocfg.name, lr=lr, weight_decay=ocfg.weight_decay, **kwargs
+    )
     zero_momentum(optimizer)
     return optimizer
 
 
-def build_scheduler(scfg: SchedulerConfig, optimizer: torch.optim.Optimizer,
-                    total_steps: int) -> LRScheduler:
+def build_scheduler(
+    scfg: SchedulerConfig, optimizer: torch.optim.Optimizer, total_steps: int
+) -> LRScheduler:
     total_steps = max(1, total_steps)
     if scfg.name == "onecycle":
         max_lr = [g["lr"] for g in optimizer.param_groups]
-        return OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps,
-                          pct_start=scfg.pct_start)
+        return OneCycleLR(
+            optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=scfg.pct_start
+        )
     warm, decay = scfg.warmup(total_steps), _DECAYS[scfg.name]
 
     def factor(step: int) -> float:
@@ -163,6 +203,8 @@ def _cosine(scfg: SchedulerConfig, step: int, steps: int) -> float:
     return scfg.min_lr_ratio + (1 - scfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
 
-_DECAYS = {"cosine": _cosine,
-           "step": lambda scfg, step, steps: scfg.gamma ** (step // scfg.step_size),
-           "constant": lambda scfg, step, steps: 1.0}
+_DECAYS = {
+    "cosine": _cosine,
+    "step": lambda scfg, step, steps: scfg.gamma ** (step // scfg.step_size),
+    "constant": lambda scfg, step, steps: 1.0,
+}

@@ -1,6 +1,7 @@
 """Honest throughput: the GPU is synchronised at every measurement boundary (log events, the end
 of warm-up, around evaluation), so a number never counts work that was only queued; a run with
 too few steps after its warm-up reports no number rather than a meaningless one."""
+
 from __future__ import annotations
 
 import logging
@@ -14,8 +15,9 @@ MIN_TIMED_STEPS = 10  # fewer steps after warm-up than this: samples_per_s is nu
 
 
 class Throughput:
-    def __init__(self, device: torch.device, warmup_steps: int,
-                 mfu=lambda samples_per_s: None) -> None:
+    def __init__(
+        self, device: torch.device, warmup_steps: int, mfu=lambda samples_per_s: None
+    ) -> None:
         self.device, self.warmup_steps, self.mfu = device, warmup_steps, mfu
         self.samples = 0  # all samples processed (warm-up included)
         self._win_samples = self._win_attempts = 0
@@ -71,16 +73,28 @@ class Throughput:
         dt = end - t0 - self._paused
         self.steady_rate = (self.samples - s0) / dt if dt > 0 and self.samples > s0 else None
         if self.steady_rate is not None and self.timed_steps < MIN_TIMED_STEPS:
-            log.warning("samples_per_s: only %d steps ran after the %d warm-up steps, too few to "
-                        "time (%d needed); it is null in the summary. Train longer "
-                        "(trainer.max_steps) or lower trainer.perf_warmup_steps",
-                        self.timed_steps, self.warmup_steps, MIN_TIMED_STEPS)
+            log.warning(
+                "samples_per_s: only %d steps ran after the %d warm-up steps, too few to "
+                "time (%d needed); it is null in the summary. Train longer "
+                "(trainer.max_steps) or lower trainer.perf_warmup_steps",
+                self.timed_steps,
+                self.warmup_steps,
+                MIN_TIMED_STEPS,
+            )
             self.steady_rate = None
 
 
-def train_flops(model: torch.nn.Module, input_shape, num_classes: int, device: torch.device,
-                autocast, owned: set[str] = frozenset(), batch: int = 16) -> tuple[int, int]:
-    """(all, in the `owned` modules) forward + backward FLOPs of one sample, counted once by torch.utils.flop_counter on a copy
+def train_flops(
+    model: torch.nn.Module,
+    input_shape,
+    num_classes: int,
+    device: torch.device,
+    autocast,
+    owned: set[str] = frozenset(),
+    batch: int = 16,
+) -> tuple[int, int]:
+    """(all, in the `owned` modules) forward + backward FLOPs of one sample, counted once by
+    torch.utils.flop_counter on a copy
     of the real model (so BatchNorm statistics and gradients of the run are untouched).
     A torch.compile'd model is counted on its eager module: a compiled forward first called under
     FlopCounterMode is not compiled for the real batch afterwards (benchmarks/RESULTS.md). A batch
@@ -101,13 +115,18 @@ def train_flops(model: torch.nn.Module, input_shape, num_classes: int, device: t
         loss.backward()
     del twin
     prefix = len(type(plain).__name__) + 1  # counter keys: Class.name
-    in_owned = sum(sum(ops.values()) for key, ops in counter.get_flop_counts().items()
-                   if key[prefix:] in owned)
+    in_owned = sum(
+        sum(ops.values()) for key, ops in counter.get_flop_counts().items() if key[prefix:] in owned
+    )
     return counter.get_total_flops() // batch, in_owned // batch
 
 
-def mfu(flops_per_sample: int | None, samples_per_s: float | None, peak_tflops: float | None,
-        world: int = 1) -> float | None:
+def mfu(
+    flops_per_sample: int | None,
+    samples_per_s: float | None,
+    peak_tflops: float | None,
+    world: int = 1,
+) -> float | None:
     """Model FLOPs utilisation: achieved training FLOP/s over the devices' dense peak."""
     if not flops_per_sample or not samples_per_s or not peak_tflops:
         return None

@@ -18,23 +18,24 @@ What a precision decides, and where the run asks it (the plugin interface):
 Everything that is off is still an object (autocast with enabled=False, GradScaler with
 enabled=False), so the training step never branches on precision.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import logging
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
-from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import MISSING
 from torch import nn
 from torch.amp import GradScaler
 
-from .errors import ConfigError, check, nearest
+from . import schema
+from .errors import ConfigError, check
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -48,11 +49,17 @@ class PrecisionConfig:
     plugin: str = MISSING  # the module that implements it (mixprec.precision, mixprec.fp8, yours)
     autocast: Optional[str] = MISSING  # autocast dtype: null (off), float16 or bfloat16
     tf32: bool = MISSING  # TF32 tensor cores for fp32 matmuls/convs (Ampere and later)
-    accum: int = MISSING  # default micro-batches per optimizer step (the top-level `accum` reads it)
+    accum: int = (
+        MISSING  # default micro-batches per optimizer step (the top-level `accum` reads it)
+    )
 
     def __post_init__(self) -> None:
-        check(self.autocast in (None, *_DTYPES), "precision.autocast", self.autocast,
-              "null, float16 or bfloat16")
+        check(
+            self.autocast in (None, *_DTYPES),
+            "precision.autocast",
+            self.autocast,
+            "null, float16 or bfloat16",
+        )
         check(self.accum >= 1, "precision.accum", self.accum, "an int >= 1")
 
 
@@ -65,7 +72,9 @@ class ScalerConfig:
 
     name: str = MISSING  # the group option (dynamic, conservative, static, off)
     enabled: bool = MISSING  # only takes effect with float16 autocast
-    init_scale: float = MISSING  # first loss scale (2^16 is torch's default; 2^12 the cautious start)
+    init_scale: float = (
+        MISSING  # first loss scale (2^16 is torch's default; 2^12 the cautious start)
+    )
     growth_factor: float = MISSING  # scale *= this after growth_interval overflow-free steps
     backoff_factor: float = MISSING  # scale *= this on an overflow (and the step is skipped)
     growth_interval: int = MISSING  # overflow-free steps before the scale grows
@@ -75,8 +84,12 @@ class ScalerConfig:
     def __post_init__(self) -> None:
         check(self.init_scale > 0, "scaler.init_scale", self.init_scale, "> 0")
         check(self.growth_factor > 1.0, "scaler.growth_factor", self.growth_factor, "> 1.0")
-        check(0.0 < self.backoff_factor < 1.0, "scaler.backoff_factor", self.backoff_factor,
-              "in (0, 1)")
+        check(
+            0.0 < self.backoff_factor < 1.0,
+            "scaler.backoff_factor",
+            self.backoff_factor,
+            "in (0, 1)",
+        )
         check(self.growth_interval >= 1, "scaler.growth_interval", self.growth_interval, ">= 1")
 
 
@@ -111,10 +124,15 @@ class Precision:
         return self.cfg.tf32
 
     def check_device(self, device: torch.device) -> None:
-        if self.dtype is torch.bfloat16 and device.type == "cuda" and \
-                not torch.cuda.is_bf16_supported():
-            raise ConfigError(f"precision={self.name}: {torch.cuda.get_device_name(device)} has "
-                              "no bfloat16 support; use one of fp32, tf32, amp, amp_accum")
+        if (
+            self.dtype is torch.bfloat16
+            and device.type == "cuda"
+            and not torch.cuda.is_bf16_supported()
+        ):
+            raise ConfigError(
+                f"precision={self.name}: {torch.cuda.get_device_name(device)} has "
+                "no bfloat16 support; use one of fp32, tf32, amp, amp_accum"
+            )
 
     def convert(self, model: nn.Module) -> nn.Module:
         return model
@@ -125,8 +143,9 @@ class Precision:
 
     def autocast(self) -> AbstractContextManager:
         dtype = self.dtype or torch.get_autocast_dtype(self.device_type)
-        return torch.autocast(self.device_type, dtype=dtype, enabled=self.dtype is not None,
-                              cache_enabled=self.cache)
+        return torch.autocast(
+            self.device_type, dtype=dtype, enabled=self.dtype is not None, cache_enabled=self.cache
+        )
 
     @property
     def peak_key(self) -> str:
@@ -151,16 +170,20 @@ class Precision:
     def advice(self, compiled: bool) -> list[str]:
         """Warnings before training."""
         if self.device_type == "cpu" and self.dtype is torch.float16:
-            return [f"precision={self.name} on the CPU: float16 autocast is emulated there, "
-                    "several times slower than fp32 (measured on a 2-core CPU: "
-                    "benchmarks/RESULTS.md); it shows the recipe works, not what it buys on a GPU"]
+            return [
+                f"precision={self.name} on the CPU: float16 autocast is emulated there, "
+                "several times slower than fp32 (measured on a 2-core CPU: "
+                "benchmarks/RESULTS.md); it shows the recipe works, not what it buys on a GPU"
+            ]
         return []
 
     def on_divergence(self) -> str:
         """What to try when a run of this precision diverges."""
         if self.scaling:
-            return ("a lower optimizer.lr, trainer.clip_grad_norm=1.0, scaler=conservative "
-                    "(init_scale 4096), or precision=bf16 (fp32's range)")
+            return (
+                "a lower optimizer.lr, trainer.clip_grad_norm=1.0, scaler=conservative "
+                "(init_scale 4096), or precision=bf16 (fp32's range)"
+            )
         if self.dtype is torch.float16:
             return "scaler=dynamic (fp16 without loss scaling overflows), or precision=bf16"
         return "a lower optimizer.lr or trainer.clip_grad_norm=1.0"
@@ -177,10 +200,13 @@ class Precision:
     def describe(self) -> str:
         cast = f"autocast {self.cfg.autocast}" if self.dtype else "autocast off"
         s = self.scaler
-        scale = (f"GradScaler init_scale={s._init_scale:g} growth={s._growth_factor:g} "
-                 f"backoff={s._backoff_factor:g} interval={s._growth_interval}"
-                 + (" (static)" if isinstance(s, StaticGradScaler) else "")
-                 if s.is_enabled() else "GradScaler off")
+        scale = (
+            f"GradScaler init_scale={s._init_scale:g} growth={s._growth_factor:g} "
+            f"backoff={s._backoff_factor:g} interval={s._growth_interval}"
+            + (" (static)" if isinstance(s, StaticGradScaler) else "")
+            if s.is_enabled()
+            else "GradScaler off"
+        )
         return f"precision={self.name}: {cast}, {scale}, TF32 {'on' if self.tf32 else 'off'}"
 
 
@@ -192,12 +218,16 @@ def plugin_module(path: str) -> ModuleType:
     try:
         module = importlib.import_module(path)
     except ImportError as e:
-        raise ConfigError(f"precision.plugin={path!r} cannot be imported ({e}); it must be a "
-                          "module with a Config and a Plugin, e.g. mixprec.precision or "
-                          "mixprec.fp8") from None
+        raise ConfigError(
+            f"precision.plugin={path!r} cannot be imported ({e}); it must be a "
+            "module with a Config and a Plugin, e.g. mixprec.precision or "
+            "mixprec.fp8"
+        ) from None
     if not (hasattr(module, "Config") and hasattr(module, "Plugin")):
-        raise ConfigError(f"precision.plugin={path!r} is not a precision plugin: it must define "
-                          "Config (a PrecisionConfig) and Plugin (a Precision)")
+        raise ConfigError(
+            f"precision.plugin={path!r} is not a precision plugin: it must define "
+            "Config (a PrecisionConfig) and Plugin (a Precision)"
+        )
     return module
 
 
@@ -206,39 +236,42 @@ def parse(node: dict) -> PrecisionConfig:
     are ConfigErrors naming the key."""
     name, path = node.get("name"), node.get("plugin")
     if not isinstance(path, str):
-        raise ConfigError(f"precision={name}: precision.plugin is missing; it names the module "
-                          "that implements the precision, e.g. mixprec.precision")
-    schema = plugin_module(path).Config
-    known = {f.name for f in dataclasses.fields(schema)}
-    for key in node:
-        if key not in known:
-            raise ConfigError(f"precision.{key} is not a key of precision={name}"
-                              f"{nearest(key, known)} (its keys: {', '.join(sorted(known))})")
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
-    except OmegaConfBaseException as e:
-        cause = e.__cause__
-        if isinstance(cause, ConfigError):
-            raise cause from None
-        raise ConfigError(f"precision: {str(e).splitlines()[0]}") from None
+        raise ConfigError(
+            f"precision={name}: precision.plugin is missing; it names the module "
+            "that implements the precision, e.g. mixprec.precision"
+        )
+    return schema.parse(plugin_module(path).Config, node, "precision", f"precision={name}")
 
 
-def build(pcfg: PrecisionConfig, scfg: ScalerConfig, device: torch.device, cache: bool = True,
-          check_device: bool = True) -> Precision:
+def build(
+    pcfg: PrecisionConfig,
+    scfg: ScalerConfig,
+    device: torch.device,
+    cache: bool = True,
+    check_device: bool = True,
+) -> Precision:
     """The precision `pcfg.plugin` implements, with its GradScaler; checked against the device
     (tests build one without the check to look at a GPU-only conversion on the CPU)."""
     fp16 = pcfg.autocast == "float16"
     use_scaler = fp16 and scfg.enabled
     if fp16 and not scfg.enabled:
-        log.warning("precision=%s with scaler=off: fp16 gradients below 2^-24 flush to zero and "
-                    "overflows are not skipped; use scaler=dynamic unless you mean it", pcfg.name)
+        log.warning(
+            "precision=%s with scaler=off: fp16 gradients below 2^-24 flush to zero and "
+            "overflows are not skipped; use scaler=dynamic unless you mean it",
+            pcfg.name,
+        )
     cls = StaticGradScaler if scfg.static else GradScaler
-    scaler = cls(device.type, init_scale=scfg.init_scale, growth_factor=scfg.growth_factor,
-                 backoff_factor=scfg.backoff_factor, growth_interval=scfg.growth_interval,
-                 enabled=use_scaler)
-    prec = plugin_module(pcfg.plugin).Plugin(pcfg, device.type, scaler,
-                                             guard_bn_stats=use_scaler and scfg.guard_bn_stats,
-                                             cache=cache)
+    scaler = cls(
+        device.type,
+        init_scale=scfg.init_scale,
+        growth_factor=scfg.growth_factor,
+        backoff_factor=scfg.backoff_factor,
+        growth_interval=scfg.growth_interval,
+        enabled=use_scaler,
+    )
+    prec = plugin_module(pcfg.plugin).Plugin(
+        pcfg, device.type, scaler, guard_bn_stats=use_scaler and scfg.guard_bn_stats, cache=cache
+    )
     if check_device:
         prec.check_device(device)
     return prec

@@ -10,6 +10,7 @@ speed and accuracy, and README "Real data" says when to use it.
 The copy is written next to DST and renamed into place when complete, so DST is either absent
 or whole; DST/prepared.json records how it was made. Exit codes: 2 bad arguments, 4 an unreadable
 image (with --bad-images fail, the default), 0 done."""
+
 from __future__ import annotations
 
 import argparse
@@ -82,31 +83,43 @@ def plan(src: Path, tmp: Path) -> list[tuple[Path, Path]]:
 def prepare(src: Path, dst: Path, recipe: Recipe, workers: int, progress: bool = True) -> dict:
     """Write the prepared copy of src to dst (absent before, whole after); returns its record."""
     if dst.exists():
-        raise ConfigError(f"DST {dst} exists; remove it or choose another directory (the copy "
-                          "is written whole or not at all)")
+        raise ConfigError(
+            f"DST {dst} exists; remove it or choose another directory (the copy "
+            "is written whole or not at all)"
+        )
     tmp = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
     t0, read, written, failed = time.perf_counter(), 0, 0, []
     try:
         pairs = plan(src, tmp)
         with Pool(workers) as pool:
             jobs = pool.imap_unordered(_job, ((s, d, recipe) for s, d in pairs), chunksize=32)
-            for r, w, err in tqdm(jobs, total=len(pairs), desc="prepare", unit="img",
-                                  disable=not progress):
+            for r, w, err in tqdm(
+                jobs, total=len(pairs), desc="prepare", unit="img", disable=not progress
+            ):
                 read, written = read + r, written + w
                 if err and not recipe.skip_bad:
-                    raise DataError(f"unreadable image {err}; fix or remove it, or pass "
-                                    "--bad-images skip")
+                    raise DataError(
+                        f"unreadable image {err}; fix or remove it, or pass --bad-images skip"
+                    )
                 if err:
                     failed.append(err)
                     log.warning("skipping unreadable image %s", err)
-        record = {"source": str(src.resolve()), **asdict(recipe), "images": len(pairs) - len(failed),
-                  "skipped": failed, "source_bytes": read, "bytes": written,
-                  "seconds": round(time.perf_counter() - t0, 1)}
+        record = {
+            "source": str(src.resolve()),
+            **asdict(recipe),
+            "images": len(pairs) - len(failed),
+            "skipped": failed,
+            "source_bytes": read,
+            "bytes": written,
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
         for path in (tmp / "train", tmp / "val"):  # a skipped image's folder may be empty now
             for d in path.iterdir():
                 if not any(d.iterdir()):
-                    raise DataError(f"every image of class folder {d.name} ({path.name}) was "
-                                    "unreadable; the copy would lack that class")
+                    raise DataError(
+                        f"every image of class folder {d.name} ({path.name}) was "
+                        "unreadable; the copy would lack that class"
+                    )
         (tmp / "prepared.json").write_text(json.dumps(record, indent=2) + "\n")
         tmp.rename(dst)
     finally:
@@ -115,18 +128,29 @@ def prepare(src: Path, dst: Path, recipe: Recipe, workers: int, progress: bool =
 
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Recipe]:
-    ap = argparse.ArgumentParser(prog="python -m mixprec.prepare",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("src", type=Path, help="an ImageNet-style folder: src/train/<class>/*, "
-                                           "src/val/<class>/*")
+    ap = argparse.ArgumentParser(
+        prog="python -m mixprec.prepare", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument(
+        "src", type=Path, help="an ImageNet-style folder: src/train/<class>/*, src/val/<class>/*"
+    )
     ap.add_argument("dst", type=Path, help="where the copy goes (must not exist)")
-    ap.add_argument("--short-side", type=int, default=256,
-                    help="shorter side of every image, at most (default 256: data.eval_resize)")
+    ap.add_argument(
+        "--short-side",
+        type=int,
+        default=256,
+        help="shorter side of every image, at most (default 256: data.eval_resize)",
+    )
     ap.add_argument("--quality", type=int, default=90, help="JPEG quality 1-95 (default 90)")
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                    help="processes (default: every core)")
-    ap.add_argument("--bad-images", choices=("fail", "skip"), default="fail",
-                    help="an unreadable image stops the copy (fail, exit 4) or is left out (skip)")
+    ap.add_argument(
+        "--workers", type=int, default=os.cpu_count() or 1, help="processes (default: every core)"
+    )
+    ap.add_argument(
+        "--bad-images",
+        choices=("fail", "skip"),
+        default="fail",
+        help="an unreadable image stops the copy (fail, exit 4) or is left out (skip)",
+    )
     a = ap.parse_args(argv)
     if a.short_side < 8:
         raise ConfigError(f"--short-side={a.short_side}: must be >= 8")
@@ -145,9 +169,16 @@ def main(argv: list[str] | None = None) -> int:
     except MixprecError as e:
         log.error("%s: %s", e.label, e)
         return e.exit_code
-    log.info("prepared %d images in %.0f s: %.2f GB -> %.2f GB at %s (short side <= %d, "
-             "quality %d)", r["images"], r["seconds"], r["source_bytes"] / 1e9, r["bytes"] / 1e9,
-             a.dst, recipe.short_side, recipe.quality)
+    log.info(
+        "prepared %d images in %.0f s: %.2f GB -> %.2f GB at %s (short side <= %d, quality %d)",
+        r["images"],
+        r["seconds"],
+        r["source_bytes"] / 1e9,
+        r["bytes"] / 1e9,
+        a.dst,
+        recipe.short_side,
+        recipe.quality,
+    )
     return 0
 
 

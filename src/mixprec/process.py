@@ -3,6 +3,7 @@ dynamo's recompile limit and autograd's anomaly mode. Builders (precision, model
 return values and never flip a global switch; build.py derives these Settings from the config
 and applies them once, before anything is built, so a batch probe runs under the same switches as
 training and a second run in the same process starts from its own settings."""
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,13 @@ def apply(s: Settings, device: torch.device) -> None:
     if device.type != "cuda":
         return
     torch.backends.cudnn.benchmark = s.cudnn_benchmark
-    log.info("cudnn.benchmark=%s (%s)", s.cudnn_benchmark, "cuDNN times its algorithms for each "
-             "new shape" if s.cudnn_benchmark else "cuDNN's heuristics")
+    log.info(
+        "cudnn.benchmark=%s (%s)",
+        s.cudnn_benchmark,
+        "cuDNN times its algorithms for each new shape"
+        if s.cudnn_benchmark
+        else "cuDNN's heuristics",
+    )
     if s.memory_gib is not None:
         cap_memory(s.memory_gib, s.profile, device)
 
@@ -66,7 +72,9 @@ def cap_memory(memory_gib: float, profile: str, device: torch.device) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory / GIB
     if memory_gib > total * 1.02:  # datasheet GB vs GiB rounding
-        raise ConfigError(f"hardware={profile} wants {memory_gib:g} GiB but this GPU "
-                          f"({torch.cuda.get_device_name(device)}) has {total:.1f} GiB; "
-                          "lower hardware.memory_gib or pick a smaller profile")
+        raise ConfigError(
+            f"hardware={profile} wants {memory_gib:g} GiB but this GPU "
+            f"({torch.cuda.get_device_name(device)}) has {total:.1f} GiB; "
+            "lower hardware.memory_gib or pick a smaller profile"
+        )
     torch.cuda.set_per_process_memory_fraction(min(1.0, memory_gib / total), device)

@@ -7,14 +7,12 @@ accuracy over steps). The same table goes to the console and, with logger=wandb,
 wandb.Table. A Hydra callback (sweep.ReportCallback) keeps it up to date as each multirun job
 ends.
 """
+
 from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
-import json
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +21,21 @@ from .sinks import wandb as wandb_sink
 from .sinks.local import read_jsonl
 
 log = logging.getLogger(__name__)
-RATIOS = {"samples_per_s": "speedup_vs_fp32", "peak_mem_gib": "mem_saving_vs_fp32",
-          "max_batch": "max_batch_vs_fp32"}  # the column after which each ratio to fp32 stands
-COLUMNS = ["run", "status", "precision", "batch", "accum", "effective_batch",
-           *(c for m in metrics.report_columns() for c in (m, RATIOS.get(m)) if c), "error"]
+RATIOS = {
+    "samples_per_s": "speedup_vs_fp32",
+    "peak_mem_gib": "mem_saving_vs_fp32",
+    "max_batch": "max_batch_vs_fp32",
+}  # the column after which each ratio to fp32 stands
+COLUMNS = [
+    "run",
+    "status",
+    "precision",
+    "batch",
+    "accum",
+    "effective_batch",
+    *(c for m in metrics.report_columns() for c in (m, RATIOS.get(m)) if c),
+    "error",
+]
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
@@ -46,16 +55,21 @@ def _overrides(run: Path) -> list[str]:
     if not path.exists():
         return []
     import yaml
-    return [o for o in yaml.safe_load(path.read_text()) or []
-            if not o.startswith(("hydra.", "run_dir", "logger"))]
+
+    return [
+        o
+        for o in yaml.safe_load(path.read_text()) or []
+        if not o.startswith(("hydra.", "run_dir", "logger"))
+    ]
 
 
 def _labels(run_dirs: list[Path]) -> list[str]:
     """Each run named by the overrides that tell it apart from the others."""
     overrides = [_overrides(d) for d in run_dirs]
     common = set.intersection(*map(set, overrides)) if len(overrides) > 1 else set()
-    return [",".join(o for o in ov if o not in common) or d.name
-            for ov, d in zip(overrides, run_dirs)]
+    return [
+        ",".join(o for o in ov if o not in common) or d.name for ov, d in zip(overrides, run_dirs)
+    ]
 
 
 def read_run(run: Path, label: str) -> dict[str, Any]:
@@ -74,11 +88,26 @@ _num = summary.number
 def _baseline(r: dict, runs: list[dict]) -> dict | None:
     """The completed fp32 run with the same settings but precision (same model, batch, seed,
     ...), or None: a speed-up is only a ratio between runs that differ in precision alone."""
+
     def rest(run: dict) -> tuple:
-        return (tuple(sorted(o for o in run.get("overrides", []) if not o.startswith("precision="))),
-                run.get("model"), run.get("batch"), run.get("world_size"))
-    return next((b for b in runs if b.get("precision") == "fp32" and b.get("status") == "completed"
-                 and _num(b.get("samples_per_s")) and rest(b) == rest(r)), None)
+        return (
+            tuple(sorted(o for o in run.get("overrides", []) if not o.startswith("precision="))),
+            run.get("model"),
+            run.get("batch"),
+            run.get("world_size"),
+        )
+
+    return next(
+        (
+            b
+            for b in runs
+            if b.get("precision") == "fp32"
+            and b.get("status") == "completed"
+            and _num(b.get("samples_per_s"))
+            and rest(b) == rest(r)
+        ),
+        None,
+    )
 
 
 def build_table(runs: list[dict]) -> list[dict]:
@@ -100,6 +129,7 @@ def build_table(runs: list[dict]) -> list[dict]:
 def seed_groups(runs: list[dict]) -> list[dict]:
     """Runs that differ only in `seed=`, pooled: val top-1 and samples/s as mean +- std."""
     import statistics
+
     groups: dict[str, list[dict]] = {}
     for r in runs:
         if r.get("status") == "completed":
@@ -141,14 +171,17 @@ def console(table: list[dict]) -> str:
 
 def draw(runs: list[dict], out_dir: Path) -> list[Path]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     done = [r for r in runs if _num(r.get("samples_per_s"))]
     paths = []
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.5 * max(4, len(runs)) + 1))
-    for ax, key, title in ((axes[0], "samples_per_s", "throughput (samples/s)"),
-                           (axes[1], "peak_mem_gib", "peak memory (GiB)")):
+    for ax, key, title in (
+        (axes[0], "samples_per_s", "throughput (samples/s)"),
+        (axes[1], "peak_mem_gib", "peak memory (GiB)"),
+    ):
         labels = [r["run"] for r in runs]
         values = [_num(r.get(key)) or 0.0 for r in runs]
         colors = ["tab:blue" if r.get("status") == "completed" else "tab:red" for r in runs]
@@ -161,11 +194,15 @@ def draw(runs: list[dict], out_dir: Path) -> list[Path]:
     plt.close(fig)
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for ax, key, title in ((axes[0], "train/loss", "train loss"),
-                           (axes[1], "amp/loss_scale", "loss scale"),
-                           (axes[2], "val/acc1", "val top-1")):
+    for ax, key, title in (
+        (axes[0], "train/loss", "train loss"),
+        (axes[1], "amp/loss_scale", "loss scale"),
+        (axes[2], "val/acc1", "val top-1"),
+    ):
         for r in runs:
-            pts = [(m["step"], _num(m.get(key))) for m in r["curves"] if _num(m.get(key)) is not None]
+            pts = [
+                (m["step"], _num(m.get(key))) for m in r["curves"] if _num(m.get(key)) is not None
+            ]
             if pts:
                 ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, label=r["run"])
         ax.set_title(title)
@@ -180,8 +217,9 @@ def draw(runs: list[dict], out_dir: Path) -> list[Path]:
     return paths
 
 
-def write(paths: list[Path], out_dir: Path | None = None, to_wandb: bool | None = None,
-          plots: bool = True) -> dict:
+def write(
+    paths: list[Path], out_dir: Path | None = None, to_wandb: bool | None = None, plots: bool = True
+) -> dict:
     """Build the report for these sweep/run dirs (the PNGs too unless `plots` is false);
     returns {'table': ..., 'files': [...]}."""
     run_dirs = find_runs(paths)
@@ -193,27 +231,38 @@ def write(paths: list[Path], out_dir: Path | None = None, to_wandb: bool | None 
     text = markdown(table)
     pooled = seed_groups(runs)
     if pooled:
-        text += "\n## Over seeds (mean ± std)\n\n| config | runs | val top-1 | samples/s |\n|---|---|---|---|\n"
-        text += "".join(f"| {g['config']} | {g['n']} | " + " | ".join(
-            f"{g[k][0]:.4f} ± {g[k][1]:.4f}" if g[k] else "-" for k in ("val_acc1", "samples_per_s"))
-            + " |\n" for g in pooled)
+        text += (
+            "\n## Over seeds (mean ± std)\n\n| config | runs | val top-1 | samples/s |\n"
+            "|---|---|---|---|\n"
+        )
+        text += "".join(
+            f"| {g['config']} | {g['n']} | "
+            + " | ".join(
+                f"{g[k][0]:.4f} ± {g[k][1]:.4f}" if g[k] else "-"
+                for k in ("val_acc1", "samples_per_s")
+            )
+            + " |\n"
+            for g in pooled
+        )
     (out_dir / "report.md").write_text(text)
     with open(out_dir / "report.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows(table)
-    files = [out_dir / "report.md", out_dir / "report.csv",
-             *(draw(runs, out_dir) if plots else [])]
+    files = [out_dir / "report.md", out_dir / "report.csv", *(draw(runs, out_dir) if plots else [])]
     print(console(table))
     print("wrote " + ", ".join(str(p) for p in files))
     if to_wandb if to_wandb is not None else wandb_sink.logged(run_dirs):
-        wandb_sink.log_report(COLUMNS, table, [p for p in files if p.suffix == ".png"], out_dir,
-                              run_dirs)
+        wandb_sink.log_report(
+            COLUMNS, table, [p for p in files if p.suffix == ".png"], out_dir, run_dirs
+        )
     return {"table": table, "files": files}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m mixprec.report", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m mixprec.report", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("dirs", nargs="+", type=Path, help="a multirun sweep dir, or run dirs")
     ap.add_argument("--out", type=Path, help="where to write (default: the first dir)")
     ap.add_argument("--no-wandb", action="store_true", help="do not log the table to W&B")

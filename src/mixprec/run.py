@@ -1,6 +1,7 @@
 """One training job: validate the config, build its parts (build.py), then a Session trains in
 its run dir and always writes the summary and closes the logger. main() turns how a run ended
 into one clear message and its exit code (errors.py)."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,22 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from . import (batch_size, build, checkpoint, describe, diagnose, distributed, hardware, launch,
-               loop, messages, perf, rundir, sinks, summary)
+from . import (
+    batch_size,
+    build,
+    checkpoint,
+    describe,
+    diagnose,
+    distributed,
+    hardware,
+    launch,
+    loop,
+    messages,
+    perf,
+    rundir,
+    sinks,
+    summary,
+)
 from .config import validate
 from .errors import Diverged, MixprecError, OutOfMemory, Preempted
 from .ledger import Hooks, model_tensors
@@ -77,8 +92,9 @@ class Session:
         self.summary: dict = {}
         self.ckpt = parts.run_dir / "checkpoints" / "last.pt"
         self.found: Path | None = None  # the checkpoint this run resumed from
-        self.phases = hardware.PhaseMemory(parts.learner.model, parts.learner.optimizer,
-                                           parts.device)
+        self.phases = hardware.PhaseMemory(
+            parts.learner.model, parts.learner.optimizer, parts.device
+        )
 
     def train(self) -> dict:
         p = self.p
@@ -110,21 +126,33 @@ class Session:
         p, c = self.p, self.p.config
         found = checkpoint.find(c.resume, p.run_dir) if c.resume else None
         if c.resume == "auto" and found is None:
-            log.info("resume=auto: no checkpoint in %s yet; starting from scratch", self.ckpt.parent)
+            log.info(
+                "resume=auto: no checkpoint in %s yet; starting from scratch", self.ckpt.parent
+            )
         if found is None:
             return None
         self.found, blob = found, checkpoint.load(found)
         checkpoint.check_fits(blob, found, p.layout.as_dict())
         saved = checkpoint.restore(blob, found, p.learner)
         self.state = loop.TrainState.restored(saved, p.layout.as_dict())
-        log.info("resumed from %s at step %d (epoch %d, micro-batch %d)", found, self.state.step,
-                 self.state.epoch, self.state.batch_in_epoch)
+        log.info(
+            "resumed from %s at step %d (epoch %d, micro-batch %d)",
+            found,
+            self.state.step,
+            self.state.epoch,
+            self.state.batch_in_epoch,
+        )
         return blob
 
     def _already_done(self) -> dict:
         path = self.p.run_dir / "summary.json"
-        log.info("resume: the checkpoint is at step %d of %d; nothing left to train (summary "
-                 "unchanged: %s)", self.state.step, self.p.plan.total_steps, path)
+        log.info(
+            "resume: the checkpoint is at step %d of %d; nothing left to train (summary "
+            "unchanged: %s)",
+            self.state.step,
+            self.p.plan.total_steps,
+            path,
+        )
         self.p.data.close()
         return json.loads(path.read_text()) if path.exists() else {"status": "completed"}
 
@@ -134,8 +162,13 @@ class Session:
         p, c = self.p, self.p.config
         own = blob is not None and self.found.resolve().parent.parent == p.run_dir.resolve()
         tags = (c.precision.name, c.model.name, p.hw.name, c.name)
-        ctx = sinks.Context(p.run_dir, describe.what_ran(p), c.name, tags,
-                            resume_step=self.state.step if own else None)
+        ctx = sinks.Context(
+            p.run_dir,
+            describe.what_ran(p),
+            c.name,
+            tags,
+            resume_step=self.state.step if own else None,
+        )
         return sinks.build(c.logger, ctx)
 
     def _hooks(self) -> Hooks:
@@ -143,23 +176,43 @@ class Session:
         if p.layout.max_batch is not None:
             self.tracker.log({"mem/max_batch": p.layout.max_batch}, self.state.step)
         if c.diagnose:
-            diagnose.on_run(unwrap(p.learner.model), build.example(c, p.data.input_shape, p.device),
-                            p.learner.precision, self.tracker, p.run_dir)
+            diagnose.on_run(
+                unwrap(p.learner.model),
+                build.example(c, p.data.input_shape, p.device),
+                p.learner.precision,
+                self.tracker,
+                p.run_dir,
+            )
         peak, flops, world = p.peak_tflops, p.flops_per_sample, p.dist.world
-        meter = perf.Throughput(p.device, c.trainer.perf_warmup_steps,
-                                mfu=lambda sps: perf.mfu(flops, sps, peak, world))
-        guard = DivergenceGuard(p.device, c.debug.max_bad_steps, c.debug.min_loss_scale,
-                                reduce=p.dist.reduce, advice=p.learner.precision.on_divergence())
+        meter = perf.Throughput(
+            p.device, c.trainer.perf_warmup_steps, mfu=lambda sps: perf.mfu(flops, sps, peak, world)
+        )
+        guard = DivergenceGuard(
+            p.device,
+            c.debug.max_bad_steps,
+            c.debug.min_loss_scale,
+            reduce=p.dist.reduce,
+            advice=p.learner.precision.on_divergence(),
+        )
         hardware.reset_peak(p.device)
         stop = StopSignals(c.trainer.stop_grace_s, on_forced=self._forced)
-        return Hooks(self.tracker, meter, guard, lambda: hardware.memory_stats(p.device),
-                     self._save, stop, p.dist, progress=sys.stderr.isatty() and p.dist.main,
-                     grad_histograms=c.diagnose)
+        return Hooks(
+            self.tracker,
+            meter,
+            guard,
+            lambda: hardware.memory_stats(p.device),
+            self._save,
+            stop,
+            p.dist,
+            progress=sys.stderr.isatty() and p.dist.main,
+            grad_histograms=c.diagnose,
+        )
 
     def _save(self, state: loop.TrainState) -> None:
         if self.p.dist.main:  # one writer; every rank holds the same weights
-            checkpoint.save(self.ckpt, self.p.learner, state, self.resolved,
-                            self.p.config.ckpt.keep)
+            checkpoint.save(
+                self.ckpt, self.p.learner, state, self.resolved, self.p.config.ckpt.keep
+            )
 
     def _finish_healthy(self, hooks: Hooks) -> None:
         """`completed` only with finite weights, buffers and loss: a divergence inside the last

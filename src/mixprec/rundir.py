@@ -7,6 +7,7 @@
   `resume=...`, started over only with `overwrite=true`, and otherwise refused: re-running into
   it by accident would append to its metrics and replace its checkpoints.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -28,6 +29,7 @@ DIAGNOSE_FILES = ("diagnose.md", "diagnose.json", "loss_scale.png")
 def made_by_a_run() -> tuple[str, ...]:
     """What a run may leave in its run dir: checkpoints, every sink's files, diagnostics."""
     from . import sinks
+
     return ("checkpoints", *sinks.run_files(), *DIAGNOSE_FILES)
 
 
@@ -38,7 +40,7 @@ class RunDirLock:
         self.path = run_dir / ".lock"
         self.fd: int | None = None
 
-    def __enter__(self) -> "RunDirLock":
+    def __enter__(self) -> RunDirLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -46,14 +48,25 @@ class RunDirLock:
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            raise RunDirBusy(f"run dir {self.path.parent} is in use by {holder}; one writer per "
-                             "run dir: wait for it, stop it, or choose another hydra.run.dir")
+            raise RunDirBusy(
+                f"run dir {self.path.parent} is in use by {holder}; one writer per "
+                "run dir: wait for it, stop it, or choose another hydra.run.dir"
+            ) from None
         previous = _read_holder(fd)
         if previous != "an unknown process":
             log.info("run dir lock: took over the lock left by %s (no longer running)", previous)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+        os.pwrite(
+            fd,
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                }
+            ).encode(),
+            0,
+        )
         self.fd = fd
         return self
 
@@ -84,9 +97,11 @@ def prepare(run_dir: Path, resume: str | None, overwrite: bool) -> None:
     if not holds_a_run(run_dir) or resume == "auto":
         return
     if not overwrite:
-        raise ConfigError(f"run dir {run_dir} already holds a run; continue it with "
-                          f"resume=auto, start it over with overwrite=true, or choose another "
-                          "hydra.run.dir")
+        raise ConfigError(
+            f"run dir {run_dir} already holds a run; continue it with "
+            f"resume=auto, start it over with overwrite=true, or choose another "
+            "hydra.run.dir"
+        )
     for name in made_by_a_run():
         path = run_dir / name
         if path.is_dir():

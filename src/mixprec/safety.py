@@ -1,6 +1,7 @@
 """Loud stops: divergence (a non-finite loss, or a collapsed loss scale, N steps in a row) and
 stop signals (SIGTERM / SIGUSR1 / SIGUSR2 / SIGINT acted on at the next step boundary, never inside
 the handler, within a bounded grace)."""
+
 from __future__ import annotations
 
 import logging
@@ -41,9 +42,14 @@ class DivergenceGuard:
     `check()` is called where the loop syncs anyway (log steps) and before every checkpoint.
     """
 
-    def __init__(self, device: torch.device, max_bad_steps: int, min_scale: float,
-                 reduce=lambda t, op="max": t,
-                 advice: str = "a lower optimizer.lr or trainer.clip_grad_norm=1.0") -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        max_bad_steps: int,
+        min_scale: float,
+        reduce=lambda t, op="max": t,
+        advice: str = "a lower optimizer.lr or trainer.clip_grad_norm=1.0",
+    ) -> None:
         self.bad = torch.zeros((), dtype=torch.int64, device=device)
         self.max_bad_steps, self.min_scale, self.advice = max_bad_steps, min_scale, advice
         self.reduce = reduce  # DDP: every rank decides on the worst rank's count
@@ -65,13 +71,16 @@ class DivergenceGuard:
             raise Diverged(
                 f"non-finite loss ({loss}) for {bad} steps in a row at step {step} "
                 f"(loss scale {scale}, lr {lr:.4g}). The weights are no longer usable. Try: "
-                f"{self.advice}. debug.detect_anomaly=true finds the op that produced it.")
+                f"{self.advice}. debug.detect_anomaly=true finds the op that produced it."
+            )
         if scale is not None and scale < self.min_scale:
             raise Diverged(
-                f"the loss scale collapsed to {scale:g} (< debug.min_loss_scale={self.min_scale:g}) "
+                f"the loss scale collapsed to {scale:g} "
+                f"(< debug.min_loss_scale={self.min_scale:g}) "
                 f"at step {step} (loss {loss}, lr {lr:.4g}): fp16 gradients overflow even barely "
                 "scaled, so every step is skipped. Try: trainer.clip_grad_norm=1.0, a lower "
-                "optimizer.lr, or precision=bf16.")
+                "optimizer.lr, or precision=bf16."
+            )
 
 
 class StopSignals:
@@ -97,9 +106,11 @@ class StopSignals:
         self._wake: tuple[socket.socket, socket.socket] | None = None
         self._old_fd = -1
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
-            return self  # signals reach the main thread only; a launcher's worker thread stays as is
+            return (
+                self  # signals reach the main thread only; a launcher's worker thread stays as is
+            )
         for s in self.SIGNALS:
             self._previous[s] = signal.signal(s, self._handle)
         self._wake = socket.socketpair()
@@ -125,8 +136,11 @@ class StopSignals:
                 seen += 1
                 if seen > 1:
                     self._force(signum, "a second signal")
-                grace = threading.Timer(self.grace_s, self._force_unless_acked,
-                                        (signum, f"no step boundary within {self.grace_s:g} s"))
+                grace = threading.Timer(
+                    self.grace_s,
+                    self._force_unless_acked,
+                    (signum, f"no step boundary within {self.grace_s:g} s"),
+                )
                 grace.daemon = True
                 grace.start()
 
@@ -135,8 +149,10 @@ class StopSignals:
             self._force(signum, why)
 
     def _force(self, signum: int, why: str) -> None:
-        sys.stderr.write(f"\nmixprec: {signal.Signals(signum).name}: {why}; exiting now without "
-                         f"a checkpoint (exit {128 + signum})\n")
+        sys.stderr.write(
+            f"\nmixprec: {signal.Signals(signum).name}: {why}; exiting now without "
+            f"a checkpoint (exit {128 + signum})\n"
+        )
         try:
             self.on_forced(signum)
         finally:

@@ -1,6 +1,7 @@
 """What the fp16 recipe needs around each step beside autocast and the scaler: whether the
 optimizer step really ran (StepWatch), and BatchNorm statistics kept out of an overflowing
 forward (BatchNormGuard). Both are objects that do nothing when their precision needs nothing."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -59,9 +60,12 @@ class BatchNormGuard:
     """
 
     def __init__(self, model: nn.Module, enabled: bool) -> None:
-        self.stats = [t for m in model.modules()
-                      if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None
-                      for t in (m.running_mean, m.running_var)]
+        self.stats = [
+            t
+            for m in model.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None
+            for t in (m.running_mean, m.running_var)
+        ]
         self.sizes = [t.numel() for t in self.stats]
         self.enabled = enabled and bool(self.stats)
 

@@ -3,6 +3,7 @@ way a run can end: trained (completed, failed, preempted: of_session), refused b
 (a config error in a sweep job, a resume that did not fit: of_refusal), or never written (read,
 for the report). The contract's keys come first, in the contract's order, and are always there
 (null where unknown); metric values take their names from the registry (metrics.py)."""
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,22 @@ import torch
 from . import files, hardware, metrics
 from .errors import MixprecError
 
-CONTRACT = ("status", "precision", "batch", "accum", "effective_batch", "world_size", "steps",
-            "samples_per_s", "peak_mem_gib", "val_acc1", "skipped_steps", "loss_scale", "mfu",
-            "wall_s")
+CONTRACT = (
+    "status",
+    "precision",
+    "batch",
+    "accum",
+    "effective_batch",
+    "world_size",
+    "steps",
+    "samples_per_s",
+    "peak_mem_gib",
+    "val_acc1",
+    "skipped_steps",
+    "loss_scale",
+    "mfu",
+    "wall_s",
+)
 
 
 def make(error: MixprecError | None = None, **values: Any) -> dict:
@@ -36,17 +50,36 @@ def of_session(s) -> dict:
     meter, mem = s.hooks.meter, hardware.memory_stats(p.device)
     val = {metrics.summary_name(k): v for k, v in st.val.items()}
     return make(
-        s.error, status=s.status, precision=c.precision.name, batch=p.layout.batch,
-        accum=p.layout.accum, effective_batch=p.layout.effective, world_size=p.layout.world,
-        steps=st.step, samples_per_s=meter.steady_rate, peak_mem_gib=mem["mem/peak_gib"],
-        **{"val_acc1": None, "val_loss": None, **val}, skipped_steps=st.skipped_steps,
-        loss_scale=_loss_scale(p.learner.precision), mfu=meter.mfu(meter.steady_rate),
-        wall_s=s.wall_s, train_loss=st.last_loss, optimizer_steps=p.plan.total_steps, lr=p.lr,
-        model=c.model.name, data=c.data.name, hardware=p.hw.name, device=str(p.device),
-        memory=hardware.memory_kind(p.device), torch=torch.__version__,
-        max_batch=p.layout.max_batch, grad_checkpointing=c.model.grad_checkpointing,
-        memory_cap_gib=p.hw.memory_gib, checkpoint=str(s.ckpt) if s.ckpt.exists() else None,
-        **{metrics.summary_name(k): v for k, v in s.phases.result.items()})
+        s.error,
+        status=s.status,
+        precision=c.precision.name,
+        batch=p.layout.batch,
+        accum=p.layout.accum,
+        effective_batch=p.layout.effective,
+        world_size=p.layout.world,
+        steps=st.step,
+        samples_per_s=meter.steady_rate,
+        peak_mem_gib=mem["mem/peak_gib"],
+        **{"val_acc1": None, "val_loss": None, **val},
+        skipped_steps=st.skipped_steps,
+        loss_scale=_loss_scale(p.learner.precision),
+        mfu=meter.mfu(meter.steady_rate),
+        wall_s=s.wall_s,
+        train_loss=st.last_loss,
+        optimizer_steps=p.plan.total_steps,
+        lr=p.lr,
+        model=c.model.name,
+        data=c.data.name,
+        hardware=p.hw.name,
+        device=str(p.device),
+        memory=hardware.memory_kind(p.device),
+        torch=torch.__version__,
+        max_batch=p.layout.max_batch,
+        grad_checkpointing=c.model.grad_checkpointing,
+        memory_cap_gib=p.hw.memory_gib,
+        checkpoint=str(s.ckpt) if s.ckpt.exists() else None,
+        **{metrics.summary_name(k): v for k, v in s.phases.result.items()},
+    )
 
 
 def _loss_scale(prec) -> float | None:
@@ -59,9 +92,17 @@ def _loss_scale(prec) -> float | None:
 def of_refusal(cfg, e: MixprecError) -> dict:
     """The summary of a run that failed before training (`cfg`: the composed DictConfig)."""
     from omegaconf import OmegaConf
+
     pick = lambda key: OmegaConf.select(cfg, key, default=None, throw_on_missing=False)  # noqa: E731
-    return make(e, status="failed", precision=pick("precision.name"), batch=pick("batch"),
-                steps=0, model=pick("model.name"), data=pick("data.name"))
+    return make(
+        e,
+        status="failed",
+        precision=pick("precision.name"),
+        batch=pick("batch"),
+        steps=0,
+        model=pick("model.name"),
+        data=pick("data.name"),
+    )
 
 
 def record_refusal(cfg, e: MixprecError, replace: bool = False) -> None:
@@ -69,6 +110,7 @@ def record_refusal(cfg, e: MixprecError, replace: bool = False) -> None:
     report and exit code read it), or, with `replace`, over a summary that would still say
     `completed` after a resume that did not fit."""
     from omegaconf import OmegaConf
+
     run_dir = Path(OmegaConf.select(cfg, "run_dir", default=None, throw_on_missing=False) or ".")
     if run_dir.is_dir() and (replace or not (run_dir / "summary.json").exists()):
         write(run_dir, of_refusal(cfg, e))
@@ -85,10 +127,15 @@ def read(run_dir: Path) -> dict:
         return json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
         import yaml
+
         path = run_dir / ".hydra" / "config.yaml"
         cfg = (yaml.safe_load(path.read_text()) if path.exists() else None) or {}
-        return make(status="failed", precision=(cfg.get("precision") or {}).get("name"),
-                    batch=cfg.get("batch"), error="no summary.json (see the job's train.log)")
+        return make(
+            status="failed",
+            precision=(cfg.get("precision") or {}).get("name"),
+            batch=cfg.get("batch"),
+            error="no summary.json (see the job's train.log)",
+        )
 
 
 def number(v: Any) -> float | None:

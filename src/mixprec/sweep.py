@@ -1,5 +1,6 @@
 """What a multirun does beside its jobs: keep the sweep's report up to date, and exit with the
 first failed job's code once every job has run (train.yaml: hydra.callbacks.report)."""
+
 from __future__ import annotations
 
 import logging
@@ -27,7 +28,8 @@ class ReportCallback(Callback):
             return
         value = getattr(job_return, "_return_value", None)
         if str(getattr(job_return, "status", "")) == "JobStatus.FAILED" or (
-                isinstance(value, float) and math.isnan(value)):  # run.main's failed job
+            isinstance(value, float) and math.isnan(value)
+        ):  # run.main's failed job
             job = Path(config.hydra.runtime.output_dir).name
             self.failed[job] = (2 if isinstance(value, float) else 1, "see the job's train.log")
         self._write(Path(config.hydra.sweep.dir), to_wandb=False, plots=False)  # plots at the end
@@ -41,8 +43,9 @@ class ReportCallback(Callback):
         if failed:
             for run, code, error in failed:
                 log.error("job %s failed (exit %d): %s", run, code, error)
-            log.error("%d job(s) of the sweep failed; report: %s", len(failed),
-                      sweep_dir / "report.md")
+            log.error(
+                "%d job(s) of the sweep failed; report: %s", len(failed), sweep_dir / "report.md"
+            )
             sys.exit(failed[0][1])
 
     @staticmethod
@@ -60,5 +63,7 @@ def failures(sweep_dir: Path) -> list[tuple[str, int, str]]:
     for run in find_runs([sweep_dir]) if sweep_dir.is_dir() else []:
         row = read_run(run, run.name)
         if row.get("status") != "completed":
-            out.append((run.name, int(row.get("exit_code") or 1), row.get("error") or row["status"]))
+            out.append(
+                (run.name, int(row.get("exit_code") or 1), row.get("error") or row["status"])
+            )
     return out

@@ -2,6 +2,7 @@
 
 Finds every offline run under the given directories (a run's `wandb/`, every job of a sweep, and
 the sweep's report run in `<sweep dir>/wandb/`) and hands them to `wandb sync` in one call."""
+
 from __future__ import annotations
 
 import argparse

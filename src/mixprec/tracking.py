@@ -2,6 +2,7 @@
 always, then W&B, TensorBoard, ... as logger= chose). A sink that is not essential (every one
 but the local files) never stops training: its first failure warns once and drops it, and the
 others go on. Rank 0 alone writes; other ranks hold a Tracker without sinks."""
+
 from __future__ import annotations
 
 import logging
@@ -12,9 +13,12 @@ log = logging.getLogger(__name__)
 
 
 def dropped(label: str, what: str, e: Exception) -> None:
-    warnings.warn(f"{label} {what} failed ({type(e).__name__}: {e}); {label} logging is off for "
-                  "the rest of this run, local metrics.jsonl/summary.json go on",
-                  RuntimeWarning, stacklevel=4)
+    warnings.warn(
+        f"{label} {what} failed ({type(e).__name__}: {e}); {label} logging is off for "
+        "the rest of this run, local metrics.jsonl/summary.json go on",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 class Tracker:

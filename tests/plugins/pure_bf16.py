@@ -2,6 +2,7 @@
 with it through train.py): the Linear layers hold their weights in bfloat16, with no fp32
 master copy ("pure bf16"), and everything else runs under bf16 autocast. One module (this) and
 one YAML (conf/precision/pure_bf16.yaml on Hydra's search path) are the whole of it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,8 +30,11 @@ class Plugin(Precision):
     converted: list[str] = field(default_factory=list)
 
     def convert(self, model: nn.Module) -> nn.Module:
-        self.converted = [n for n, m in model.named_modules()
-                          if isinstance(m, nn.Linear) and m.in_features >= self.cfg.min_features]
+        self.converted = [
+            n
+            for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and m.in_features >= self.cfg.min_features
+        ]
         for name in self.converted:
             model.get_submodule(name).to(torch.bfloat16)
         return model

@@ -6,6 +6,7 @@ Every training loader has the same small interface: `len()` micro-batches per ep
 `set_epoch(epoch, skip)` to fix the epoch's order and resume part-way through it, and iteration
 yielding (inputs, targets) already on the training device in the model's memory format.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -13,9 +14,7 @@ import pkgutil
 from types import ModuleType
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
+from .. import schema
 from ..errors import ConfigError, nearest
 from .base import Context, Data, Workers
 
@@ -24,8 +23,11 @@ __all__ = ["Context", "Data", "Workers", "names", "parse", "spec", "build"]
 
 def names() -> list[str]:
     """The datasets: the modules of this package that define a Config and build()."""
-    return sorted(m.name for m in pkgutil.iter_modules(__path__)
-                  if hasattr(_module(m.name), "build") and hasattr(_module(m.name), "Config"))
+    return sorted(
+        m.name
+        for m in pkgutil.iter_modules(__path__)
+        if hasattr(_module(m.name), "build") and hasattr(_module(m.name), "Config")
+    )
 
 
 def _module(name: str) -> ModuleType:
@@ -41,21 +43,11 @@ def parse(node: dict) -> Any:
     ConfigErrors naming the key."""
     name = node.get("name")
     if name not in names():
-        raise ConfigError(f"data={name!r} is not a dataset{nearest(str(name), names())} "
-                          f"(allowed: {', '.join(names())})")
-    schema = _module(name).Config
-    known = set(schema.__dataclass_fields__)
-    for key in node:
-        if key not in known:
-            raise ConfigError(f"data.{key} is not a key of data={name}{nearest(key, known)} "
-                              f"(its keys: {', '.join(sorted(known))})")
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
-    except OmegaConfBaseException as e:
-        cause = e.__cause__
-        if isinstance(cause, ConfigError):
-            raise cause from None
-        raise ConfigError(f"data: {str(e).splitlines()[0]}") from None
+        raise ConfigError(
+            f"data={name!r} is not a dataset{nearest(str(name), names())} "
+            f"(allowed: {', '.join(names())})"
+        )
+    return schema.parse(_module(name).Config, node, "data", f"data={name}")
 
 
 def spec(cfg: Any) -> tuple[int, tuple[int, ...]]:

@@ -1,4 +1,5 @@
 """What every dataset gives the loop (Data) and gets from the run (Context)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,12 +1,14 @@
 """torchvision's CIFAR-10 from `data.root` (its cifar-10-batches-py/); downloads only with
 `data.download=true` (needs a network)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
 from omegaconf import MISSING
-from torchvision import datasets, transforms as T
+from torchvision import datasets
+from torchvision import transforms as T
 
 from ..errors import ConfigError, check
 from .base import Context, Data
@@ -36,12 +38,12 @@ def spec(cfg: Config) -> tuple[int, tuple[int, ...]]:
 def build(cfg: Config, ctx: Context) -> Data:
     train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.PILToTensor()])
     try:
-        train_ds = datasets.CIFAR10(cfg.root, train=True, transform=train_tf,
-                                    download=cfg.download)
+        train_ds = datasets.CIFAR10(cfg.root, train=True, transform=train_tf, download=cfg.download)
         val_ds = datasets.CIFAR10(cfg.root, train=False, transform=T.PILToTensor())
     except RuntimeError as e:
-        raise ConfigError(f"data.root={cfg.root!r}: {e} (data=cifar10 reads torchvision's "
-                          "cifar-10-batches-py there; data.download=true fetches it)") from None
-    train, val = loaders(subset(train_ds, cfg.subset, 0), subset(val_ds, cfg.subset, 1), ctx,
-                         STATS)
+        raise ConfigError(
+            f"data.root={cfg.root!r}: {e} (data=cifar10 reads torchvision's "
+            "cifar-10-batches-py there; data.download=true fetches it)"
+        ) from None
+    train, val = loaders(subset(train_ds, cfg.subset, 0), subset(val_ds, cfg.subset, 1), ctx, STATS)
     return Data(train, val, 10, (3, 32, 32))

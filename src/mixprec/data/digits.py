@@ -1,5 +1,6 @@
 """scikit-learn's handwritten digits (1,797 real 8x8 scans, 10 classes): ships inside the
 package, so the default run needs no download."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,8 +37,9 @@ def spec(cfg: Config) -> tuple[int, tuple[int, ...]]:
 def tensors(cfg: Config):
     """(x_train, y_train, x_val, y_val): a stratified split, standardised by train statistics."""
     x, y = load_digits(return_X_y=True)
-    x_tr, x_va, y_tr, y_va = train_test_split(x, y, test_size=cfg.val_fraction,
-                                              random_state=cfg.data_seed, stratify=y)
+    x_tr, x_va, y_tr, y_va = train_test_split(
+        x, y, test_size=cfg.val_fraction, random_state=cfg.data_seed, stratify=y
+    )
     x_tr, x_va = (torch.tensor(a, dtype=torch.float32).view(-1, 1, 8, 8) for a in (x_tr, x_va))
     mean, std = x_tr.mean(), x_tr.std()
     return ((x_tr - mean) / std, torch.tensor(y_tr), (x_va - mean) / std, torch.tensor(y_va))

@@ -1,6 +1,7 @@
 """ImageNet-style folders: `root/train/<class>/*` and `root/val/<class>/*` (torchvision's
 ImageFolder), RandomResizedCrop + flip for training, resize + centre crop for evaluation,
 decoded by loader workers or on the device (images.py)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,8 +13,16 @@ from torchvision.transforms import v2
 
 from ..errors import ConfigError, check, one_of
 from .base import Context, Data
-from .images import (CheckedImageFolder, DeviceDecode, JpegCrops, classes, collate_jpegs,
-                     collate_skipping, loaders, subset)
+from .images import (
+    CheckedImageFolder,
+    DeviceDecode,
+    JpegCrops,
+    classes,
+    collate_jpegs,
+    collate_skipping,
+    loaders,
+    subset,
+)
 from .loaders import Normalize
 
 STATS = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
@@ -34,8 +43,12 @@ class Config:
     def __post_init__(self) -> None:
         check(bool(self.root), "data.root", self.root, "a directory for data=imagenet")
         check(self.image_size >= 8, "data.image_size", self.image_size, ">= 8")
-        check(self.eval_resize >= self.image_size, "data.eval_resize", self.eval_resize,
-              f">= data.image_size ({self.image_size})")
+        check(
+            self.eval_resize >= self.image_size,
+            "data.eval_resize",
+            self.eval_resize,
+            f">= data.image_size ({self.image_size})",
+        )
         check(self.subset is None or self.subset >= 1, "data.subset", self.subset, "null or >= 1")
         one_of("data.bad_images", self.bad_images, ("fail", "skip"))
         one_of("data.decode", self.decode, ("workers", "device"))
@@ -57,15 +70,21 @@ def build(cfg: Config, ctx: Context) -> Data:
         raise ConfigError(f"data.root: {root}/train and {root}/val have different class folders")
     skip = cfg.bad_images == "skip"
     if cfg.decode == "device":
-        train_ds, val_ds = (JpegCrops(root / split, split == "train", cfg.image_size,
-                                      cfg.eval_resize, skip) for split in ("train", "val"))
+        train_ds, val_ds = (
+            JpegCrops(root / split, split == "train", cfg.image_size, cfg.eval_resize, skip)
+            for split in ("train", "val")
+        )
         stage = DeviceDecode(cfg.image_size, Normalize(*STATS, ctx.device, ctx.fmt))
         collate = collate_jpegs
     else:  # on uint8 tensors: torch's antialiased bilinear resize, made to match PIL's
         train_ds = CheckedImageFolder(root / "train", train_transform(cfg.image_size), skip)
-        val_ds = CheckedImageFolder(root / "val", v2.Compose([
-            v2.Resize(cfg.eval_resize, antialias=True), v2.CenterCrop(cfg.image_size)]), skip)
+        val_ds = CheckedImageFolder(
+            root / "val",
+            v2.Compose([v2.Resize(cfg.eval_resize, antialias=True), v2.CenterCrop(cfg.image_size)]),
+            skip,
+        )
         stage, collate = None, collate_skipping if skip else None
-    train, val = loaders(subset(train_ds, cfg.subset, 0), subset(val_ds, cfg.subset, 1), ctx,
-                         STATS, collate, stage)
+    train, val = loaders(
+        subset(train_ds, cfg.subset, 0), subset(val_ds, cfg.subset, 1), ctx, STATS, collate, stage
+    )
     return Data(train, val, len(names), (3, cfg.image_size, cfg.image_size))

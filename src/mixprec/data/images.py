@@ -8,7 +8,9 @@ quarter of float32's bytes); the normalisation runs on the training device, one 
 side stream (loaders.prefetch). With `data.decode=device` the workers only read the JPEG bytes and
 draw the crop; decoding (nvJPEG on a GPU, through torchvision.io.decode_jpeg), crop, resize, flip
 and normalisation run on the device (images.py: DeviceDecode), staged by a background thread a
-couple of batches ahead — the path for when the CPU cores cannot decode as fast as the GPU trains."""
+couple of batches ahead — the path for when the CPU cores cannot decode as fast as the GPU
+trains."""
+
 from __future__ import annotations
 
 import logging
@@ -18,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import Subset, default_collate
-from torchvision import datasets, io, transforms as T
+from torchvision import datasets, io
+from torchvision import transforms as T
 from torchvision.transforms import v2
 
 from ..errors import ConfigError, DataError
@@ -53,8 +56,10 @@ class CheckedImageFolder(datasets.ImageFolder):
         except (OSError, ValueError) as e:  # read_image falls back to PIL: UnidentifiedImageError
             path = self.samples[index][0]
             if not self.skip_bad:
-                raise DataError(f"unreadable image {path} ({type(e).__name__}: {e}); fix or "
-                                "remove it, or set data.bad_images=skip") from None
+                raise DataError(
+                    f"unreadable image {path} ({type(e).__name__}: {e}); fix or "
+                    "remove it, or set data.bad_images=skip"
+                ) from None
             log.warning("skipping unreadable image %s (%s)", path, type(e).__name__)
             return None
 
@@ -78,8 +83,10 @@ class JpegCrops(CheckedImageFolder):
     def _crop(self, path: str):
         with Image.open(path) as im:
             if im.format != "JPEG":
-                raise ValueError(f"data.decode=device decodes JPEG only, this is {im.format}; "
-                                 "use data.decode=workers")
+                raise ValueError(
+                    f"data.decode=device decodes JPEG only, this is {im.format}; "
+                    "use data.decode=workers"
+                )
             w, h = im.size
             if self.train:  # get_params reads only the size: the image is not decoded here
                 top, left, ch, cw = self.rrc.get_params(im, self.rrc.scale, self.rrc.ratio)
@@ -93,8 +100,11 @@ class JpegCrops(CheckedImageFolder):
 
 def collate_jpegs(batch):
     batch = [b for b in batch if b is not None]
-    return ([b[0][0] for b in batch], torch.stack([b[0][1] for b in batch]),
-            torch.tensor([b[1] for b in batch]))
+    return (
+        [b[0][0] for b in batch],
+        torch.stack([b[0][1] for b in batch]),
+        torch.tensor([b[1] for b in batch]),
+    )
 
 
 class DeviceDecode:
@@ -111,17 +121,24 @@ class DeviceDecode:
         images = io.decode_jpeg(files, mode=io.ImageReadMode.RGB, device=dev)
         out = torch.empty(len(files), 3, self.size, self.size, device=dev)
         for i, (img, (top, left, h, w, flip)) in enumerate(zip(images, boxes.tolist())):
-            crop = img[None, :, top:top + h, left:left + w].float()
-            crop = F.interpolate(crop, size=(self.size, self.size), mode="bilinear",
-                                 antialias=True, align_corners=False)
+            crop = img[None, :, top : top + h, left : left + w].float()
+            crop = F.interpolate(
+                crop,
+                size=(self.size, self.size),
+                mode="bilinear",
+                antialias=True,
+                align_corners=False,
+            )
             out[i] = crop[0].flip(-1) if flip else crop[0]
         return self.norm((out.clamp_(0, 255), y))
 
 
 def classes(split_dir: Path) -> list[str]:
     if not split_dir.is_dir():
-        raise ConfigError(f"data.root: {split_dir} does not exist (data=imagenet wants "
-                          "root/train/<class>/* and root/val/<class>/*)")
+        raise ConfigError(
+            f"data.root: {split_dir} does not exist (data=imagenet wants "
+            "root/train/<class>/* and root/val/<class>/*)"
+        )
     names = sorted(d.name for d in split_dir.iterdir() if d.is_dir())
     if not names:
         raise ConfigError(f"data.root: {split_dir} has no class folders")
@@ -141,8 +158,11 @@ def subset(ds, n: int | None, seed: int):
 def loaders(train_ds, val_ds, ctx: Context, stats, collate=None, stage=None):
     """(train, val) EpochLoaders over uint8 datasets, normalised with `stats` on the device (or
     staged by `stage`, in a background thread: device decoding)."""
-    kw = dict(collate_fn=collate, stage=stage or Normalize(*stats, ctx.device, ctx.fmt),
-              stage_thread=stage is not None)
+    kw = dict(
+        collate_fn=collate,
+        stage=stage or Normalize(*stats, ctx.device, ctx.fmt),
+        stage_thread=stage is not None,
+    )
     train = EpochLoader(train_ds, ctx, persistent=ctx.workers.persistent, **kw)
     val = EpochLoader(val_ds, ctx, shuffle=False, drop_last=False, **kw)
     return train, val

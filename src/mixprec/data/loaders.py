@@ -1,6 +1,7 @@
 """A resumable epoch loader for map-style datasets (shared by every on-disk/in-memory dataset),
 and the GPU prefetcher that overlaps the next batch's host-to-device copy (and its decode or
 normalisation on the GPU) with the current step's compute."""
+
 from __future__ import annotations
 
 import copy
@@ -35,8 +36,9 @@ class Normalize:
         return x.float().sub_(self.mean).div_(self.std), y
 
 
-def prefetch_in_thread(batches: Iterable, stage: Callable, device: torch.device,
-                       depth: int = 2) -> Iterator:
+def prefetch_in_thread(
+    batches: Iterable, stage: Callable, device: torch.device, depth: int = 2
+) -> Iterator:
     """Yield stage(batch) for each batch, staged by a background thread up to `depth` batches
     ahead (on its own CUDA stream on a GPU). For heavy stages (data.decode=device: nvJPEG's
     host-side work and a few kernels per image), which inline would leave the GPU idle between
@@ -124,20 +126,37 @@ class EpochLoader:
     across epochs: the workers decode the next epoch's first batches while this epoch ends and
     the model evaluates, so an epoch boundary costs no refill of the pipeline."""
 
-    def __init__(self, dataset: Dataset, ctx: Context, shuffle: bool = True,
-                 drop_last: bool = True, collate_fn=None, stage: Callable | None = None,
-                 stage_thread: bool = False, persistent: bool = False) -> None:
-        self.sampler = DistributedSampler(dataset, num_replicas=ctx.world, rank=ctx.rank,
-                                          shuffle=shuffle, seed=ctx.seed, drop_last=drop_last)
+    def __init__(
+        self,
+        dataset: Dataset,
+        ctx: Context,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        collate_fn=None,
+        stage: Callable | None = None,
+        stage_thread: bool = False,
+        persistent: bool = False,
+    ) -> None:
+        self.sampler = DistributedSampler(
+            dataset,
+            num_replicas=ctx.world,
+            rank=ctx.rank,
+            shuffle=shuffle,
+            seed=ctx.seed,
+            drop_last=drop_last,
+        )
         self.dataset, self.batch, self.device = dataset, ctx.batch, ctx.device
         self.drop_last, self.skip, self.seed, self.epoch = drop_last, 0, ctx.seed, 0
         self.stage = stage or (lambda b: to_device(b, ctx.device, ctx.fmt))
         workers = ctx.workers.num_workers
         self.persistent = persistent and workers > 0
         self.stage_thread = stage_thread
-        self.loader_kw = dict(num_workers=workers, collate_fn=collate_fn,
-                              pin_memory=ctx.workers.pin_memory and ctx.device.type == "cuda",
-                              prefetch_factor=4 if workers else None)
+        self.loader_kw = dict(
+            num_workers=workers,
+            collate_fn=collate_fn,
+            pin_memory=ctx.workers.pin_memory and ctx.device.type == "cuda",
+            prefetch_factor=4 if workers else None,
+        )
         self._stream: Iterator | None = None  # persistent: batches of this and later epochs
         self._stream_at: tuple[int, int] | None = None  # (epoch, batch) it yields next
 
@@ -150,7 +169,7 @@ class EpochLoader:
         self.skip, self.epoch = skip, epoch
 
     def indices(self) -> list[int]:
-        return list(self.sampler)[self.skip * self.batch:]
+        return list(self.sampler)[self.skip * self.batch :]
 
     def _generator(self) -> torch.Generator:
         # Its own generator: a DataLoader otherwise draws worker seeds from the global RNG at
@@ -160,15 +179,26 @@ class EpochLoader:
     def _batches(self) -> Iterator:
         """This epoch's collated CPU batches, from `skip` on."""
         if not self.persistent:
-            yield from DataLoader(self.dataset, batch_size=self.batch, drop_last=self.drop_last,
-                                  sampler=self.indices(), generator=self._generator(),
-                                  **self.loader_kw)
+            yield from DataLoader(
+                self.dataset,
+                batch_size=self.batch,
+                drop_last=self.drop_last,
+                sampler=self.indices(),
+                generator=self._generator(),
+                **self.loader_kw,
+            )
             return
         if self._stream_at != (self.epoch, self.skip):  # first epoch, a resume, or a jump
             self.close()
             sampler = _Epochs(self.sampler, self.batch, self.drop_last, self.epoch, self.skip)
-            self._stream = iter(DataLoader(self.dataset, batch_sampler=sampler,
-                                           generator=self._generator(), **self.loader_kw))
+            self._stream = iter(
+                DataLoader(
+                    self.dataset,
+                    batch_sampler=sampler,
+                    generator=self._generator(),
+                    **self.loader_kw,
+                )
+            )
         for b in range(self.skip, len(self)):
             self._stream_at = None  # a batch taken but not handed on: the position is lost
             batch = next(self._stream)
@@ -191,8 +221,9 @@ class _Epochs:
     """A batch sampler that runs on from epoch to epoch (each shuffled by its own number, as
     DistributedSampler does): the persistent loaders' one stream of batches."""
 
-    def __init__(self, sampler: DistributedSampler, batch: int, drop_last: bool, epoch: int,
-                 skip: int) -> None:
+    def __init__(
+        self, sampler: DistributedSampler, batch: int, drop_last: bool, epoch: int, skip: int
+    ) -> None:
         self.sampler, self.batch, self.drop_last = copy.copy(sampler), batch, drop_last
         self.start = epoch, skip
 
@@ -203,5 +234,5 @@ class _Epochs:
             order = list(self.sampler)
             stop = len(order) - len(order) % self.batch if self.drop_last else len(order)
             for i in range(skip * self.batch, stop, self.batch):
-                yield order[i:i + self.batch]
+                yield order[i : i + self.batch]
             epoch, skip = epoch + 1, 0

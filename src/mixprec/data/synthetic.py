@@ -1,5 +1,6 @@
 """Synthetic data generated once on the training device: a benchmark then measures the GPU, not
 the input pipeline (the same fixed batch every step, as the usual ResNet-50 benchmarks do)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,8 +24,12 @@ class Config:
     val_steps: int = MISSING  # evaluation micro-batches
 
     def __post_init__(self) -> None:
-        check(len(self.shape) == 3 and min(self.shape) >= 1, "data.shape", self.shape,
-              "[C, H, W] with every size >= 1")
+        check(
+            len(self.shape) == 3 and min(self.shape) >= 1,
+            "data.shape",
+            self.shape,
+            "[C, H, W] with every size >= 1",
+        )
         check(self.num_classes >= 2, "data.num_classes", self.num_classes, ">= 2")
         check(self.steps_per_epoch >= 1, "data.steps_per_epoch", self.steps_per_epoch, ">= 1")
         check(self.val_steps >= 1, "data.val_steps", self.val_steps, ">= 1")
@@ -34,7 +39,8 @@ class SyntheticLoader:
     def __init__(self, shape, num_classes: int, steps: int, ctx: Context, seed: int) -> None:
         g = torch.Generator(device=ctx.device).manual_seed(seed)
         self.x = torch.randn(ctx.batch, *shape, device=ctx.device, generator=g).contiguous(
-            memory_format=ctx.fmt)
+            memory_format=ctx.fmt
+        )
         self.y = torch.randint(0, num_classes, (ctx.batch,), device=ctx.device, generator=g)
         self.steps, self.skip = steps, 0
 

@@ -7,6 +7,7 @@ it alone reads), a `Sink` (the class the Tracker writes to) and `FILES` (what it
 run dir). Adding a backend is one module here and one YAML in conf/logger/. The local files
 (metrics.jsonl, summary.json: sinks/local.py) are written always: they are the contract.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,10 +18,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 from ..errors import ConfigError, nearest
+from ..schema import structured
 from ..tracking import dropped
 
 ALWAYS = "local"  # metrics.jsonl and summary.json: on whatever logger= says
@@ -49,8 +48,11 @@ class LoggerConfig:
 
 
 def names() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(__path__)
-                  if m.name != ALWAYS and hasattr(_module(m.name), "Sink"))
+    return sorted(
+        m.name
+        for m in pkgutil.iter_modules(__path__)
+        if m.name != ALWAYS and hasattr(_module(m.name), "Sink")
+    )
 
 
 def _module(name: str) -> ModuleType:
@@ -67,24 +69,22 @@ def parse(node: dict) -> LoggerConfig:
     chosen = [k for k, on in (node.get("sinks") or {}).items() if on]
     for name in chosen:
         if name not in names():
-            raise ConfigError(f"logger={name!r} is not a logger{nearest(name, names())} "
-                              f"(allowed: {', '.join(names())} or none)")
+            raise ConfigError(
+                f"logger={name!r} is not a logger{nearest(name, names())} "
+                f"(allowed: {', '.join(names())} or none)"
+            )
     schemas = {name: _module(name).Config for name in chosen}
     known = {f.name: name for name, s in schemas.items() for f in dataclasses.fields(s)}
     for key in node:
         if key != "sinks" and key not in known:
-            raise ConfigError(f"logger.{key} is not read by the chosen loggers "
-                              f"({', '.join(chosen) or 'none'}){nearest(key, known)}")
+            raise ConfigError(
+                f"logger.{key} is not read by the chosen loggers "
+                f"({', '.join(chosen) or 'none'}){nearest(key, known)}"
+            )
     out = {}
     for name, schema in schemas.items():
         mine = {f.name: node[f.name] for f in dataclasses.fields(schema) if f.name in node}
-        try:
-            out[name] = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), mine))
-        except OmegaConfBaseException as e:
-            cause = e.__cause__
-            if isinstance(cause, ConfigError):
-                raise cause from None
-            raise ConfigError(f"logger: {str(e).splitlines()[0]}") from None
+        out[name] = structured(schema, mine, "logger")
     return LoggerConfig(out)
 
 

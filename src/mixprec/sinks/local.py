@@ -1,6 +1,7 @@
 """The local files every run writes, whatever logger= says: metrics.jsonl (one JSON object per
 log event, W&B's slash-style keys) and summary.json (how the run ended). They are the contract
 that the report, the tests and downstream scripts read."""
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def drop_rows_after(path: Path, step: int) -> None:
     def keep(row: dict) -> bool:  # evaluation at the checkpoint's step runs again after resume
-        return row.get("step", 0) < step or (row.get("step") == step and
-                                             not any(k.startswith("val/") for k in row))
+        return row.get("step", 0) < step or (
+            row.get("step") == step and not any(k.startswith("val/") for k in row)
+        )
 
     rows = [row for row in read_jsonl(path) if keep(row)]
     files.write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))

@@ -3,6 +3,7 @@ own SummaryWriter (needs the `tensorboard` package: pip install -e '.[tensorboar
 `tensorboard --logdir outputs/` shows every run; a multirun's jobs appear side by side. Scalars
 use the metric names of metrics.jsonl (train/loss, amp/loss_scale, ...) at the optimizer step;
 a resumed run drops the events its predecessor logged past the checkpoint (purge_step)."""
+
 from __future__ import annotations
 
 import json
@@ -34,17 +35,26 @@ class Sink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ConfigError("logger=tensorboard needs the tensorboard package: pip install -e "
-                              "'.[tensorboard]' (make installs it)") from None
-        self.writer = SummaryWriter(log_dir=str(ctx.run_dir / "tensorboard"),
-                                    purge_step=ctx.resume_step, flush_secs=cfg.flush_s)
+            raise ConfigError(
+                "logger=tensorboard needs the tensorboard package: pip install -e "
+                "'.[tensorboard]' (make installs it)"
+            ) from None
+        self.writer = SummaryWriter(
+            log_dir=str(ctx.run_dir / "tensorboard"),
+            purge_step=ctx.resume_step,
+            flush_secs=cfg.flush_s,
+        )
         self.writer.add_text("config", "```\n" + json.dumps(ctx.config, indent=1) + "\n```")
 
     def log(self, row: dict) -> None:
         step = row["step"]
         for key, value in row.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
-                    and math.isfinite(value):
+            if (
+                key != "step"
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            ):
                 self.writer.add_scalar(key, value, step)
 
     def histograms(self, values: dict, step: int) -> None:
@@ -61,8 +71,9 @@ class Sink:
         self.writer.add_text(name, "\n".join(lines))
 
     def summary(self, summary: dict) -> None:
-        self.writer.add_text("summary", "```\n" + json.dumps(summary, indent=1,
-                                                              default=str) + "\n```")
+        self.writer.add_text(
+            "summary", "```\n" + json.dumps(summary, indent=1, default=str) + "\n```"
+        )
         self.writer.flush()
 
     def close(self, status: str) -> None:

@@ -4,6 +4,7 @@ local files go on. The sink owns its settings (logger.project, ...), its files i
 (`wandb/`, the offline runs; `wandb.json`, the run's id and settings) and its resume: a run that
 continues this run dir's own checkpoint continues the W&B run named in wandb.json; a run started
 from another run's checkpoint is a new W&B run."""
+
 from __future__ import annotations
 
 import datetime
@@ -39,13 +40,18 @@ class Config:
 
     def __post_init__(self) -> None:
         one_of("logger.mode", self.mode, (None, "online", "offline", "disabled"))
-        check(self.timeout_s is not None and self.timeout_s > 0, "logger.timeout_s",
-              self.timeout_s, "> 0 (seconds)")
+        check(
+            self.timeout_s is not None and self.timeout_s > 0,
+            "logger.timeout_s",
+            self.timeout_s,
+            "> 0 (seconds)",
+        )
 
 
 def has_credentials() -> bool:
     """wandb's own answer (env key, settings, netrc, identity token), without a prompt."""
     import wandb
+
     try:
         return bool(wandb.login(prompt=False, verify=False))
     except Exception as e:  # a broken settings file must not stop training
@@ -62,8 +68,10 @@ def wandb_mode(configured: str | None) -> str:
     if has_credentials():
         return "online"
     if mode == "online":
-        log.warning("W&B: mode online was asked for but wandb finds no credentials (WANDB_API_KEY "
-                    "or `wandb login`); logging offline instead (sync later with wandb sync)")
+        log.warning(
+            "W&B: mode online was asked for but wandb finds no credentials (WANDB_API_KEY "
+            "or `wandb login`); logging offline instead (sync later with wandb sync)"
+        )
     return "offline"
 
 
@@ -114,20 +122,34 @@ class Sink:
         import wandb
 
         self.wandb, self.timeout_s = wandb, cfg.timeout_s
-        settings = dict(project=cfg.project, entity=cfg.entity,
-                        group=group(cfg, ctx.experiment), name=launch.job_name(ctx.run_dir),
-                        tags=sorted({*ctx.tags, *cfg.tags}), mode=wandb_mode(cfg.mode))
+        settings = dict(
+            project=cfg.project,
+            entity=cfg.entity,
+            group=group(cfg, ctx.experiment),
+            name=launch.job_name(ctx.run_dir),
+            tags=sorted({*ctx.tags, *cfg.tags}),
+            mode=wandb_mode(cfg.mode),
+        )
         run_id = _own_id(ctx.run_dir) if ctx.resume_step is not None else None
-        self.run = bounded(lambda: wandb.init(
-            dir=str(ctx.run_dir), config=ctx.config, id=run_id,
-            resume="allow" if run_id else None, reinit="finish_previous",
-            settings=wandb.Settings(init_timeout=cfg.timeout_s), **settings),
-            cfg.timeout_s + 5, "init")
+        self.run = bounded(
+            lambda: wandb.init(
+                dir=str(ctx.run_dir),
+                config=ctx.config,
+                id=run_id,
+                resume="allow" if run_id else None,
+                reinit="finish_previous",
+                settings=wandb.Settings(init_timeout=cfg.timeout_s),
+                **settings,
+            ),
+            cfg.timeout_s + 5,
+            "init",
+        )
         # x-axis `step`; no summary from history: the run's summary is summary.json, exactly
         self.run.define_metric("step", summary="none")
         self.run.define_metric("*", step_metric="step", summary="none")
-        files.write_json(ctx.run_dir / "wandb.json",
-                         {**settings, "id": self.run.id, "timeout_s": cfg.timeout_s})
+        files.write_json(
+            ctx.run_dir / "wandb.json", {**settings, "id": self.run.id, "timeout_s": cfg.timeout_s}
+        )
 
     def log(self, row: dict) -> None:
         self.run.log(row)
@@ -137,41 +159,80 @@ class Sink:
 
     def table(self, name: str, rows: list[dict]) -> None:
         cols = list(rows[0])
-        self.run.log({name: self.wandb.Table(columns=cols, data=[[str(r[c]) if isinstance(
-            r[c], list) else r[c] for c in cols] for r in rows])})
+        self.run.log(
+            {
+                name: self.wandb.Table(
+                    columns=cols,
+                    data=[
+                        [str(r[c]) if isinstance(r[c], list) else r[c] for c in cols] for r in rows
+                    ],
+                )
+            }
+        )
 
     def histograms(self, values: dict, step: int) -> None:
-        self.run.log({"step": step, **{k: self.wandb.Histogram(v.numpy()) if hasattr(v, "numpy")
-                                       else v for k, v in values.items()}})
+        self.run.log(
+            {
+                "step": step,
+                **{
+                    k: self.wandb.Histogram(v.numpy()) if hasattr(v, "numpy") else v
+                    for k, v in values.items()
+                },
+            }
+        )
 
     def close(self, status: str) -> None:
         if status == "preempted":
             self.run.mark_preempting()
-        bounded(lambda: self.run.finish(exit_code=0 if status == "completed" else 1),
-                self.timeout_s, "finish")
+        bounded(
+            lambda: self.run.finish(exit_code=0 if status == "completed" else 1),
+            self.timeout_s,
+            "finish",
+        )
 
 
-def log_report(columns: list[str], table: list[dict], images: list[Path], out_dir: Path,
-               run_dirs: list[Path]) -> None:
+def log_report(
+    columns: list[str], table: list[dict], images: list[Path], out_dir: Path, run_dirs: list[Path]
+) -> None:
     """A sweep's report as one W&B run (job_type=report) in the project, entity, mode and group
     of its jobs, holding the table and the plots. Its id comes from the sweep dir, so a rebuilt
     report updates that run instead of adding another."""
-    settings = next((json.loads((d / "wandb.json").read_text()) for d in run_dirs
-                     if (d / "wandb.json").exists()), None)
+    settings = next(
+        (
+            json.loads((d / "wandb.json").read_text())
+            for d in run_dirs
+            if (d / "wandb.json").exists()
+        ),
+        None,
+    )
     if settings is None:  # no job reached W&B: nothing to group the report with
         log.info("report: no job of %s logged to W&B; the report stays local", out_dir)
         return
     try:
         import wandb
+
         run_id = "report-" + hashlib.sha1(str(out_dir.resolve()).encode()).hexdigest()[:12]
-        run = wandb.init(project=settings["project"], entity=settings["entity"],
-                         group=settings["group"], mode=settings["mode"], job_type="report",
-                         dir=str(out_dir), id=run_id, resume="allow", name=f"report-{out_dir.name}",
-                         reinit="finish_previous",
-                         settings=wandb.Settings(init_timeout=settings["timeout_s"]))
-        run.log({"report": wandb.Table(columns=columns, data=[[row[c] for c in columns]
-                                                              for row in table]),
-                 **{p.stem: wandb.Image(str(p)) for p in images}})
+        run = wandb.init(
+            project=settings["project"],
+            entity=settings["entity"],
+            group=settings["group"],
+            mode=settings["mode"],
+            job_type="report",
+            dir=str(out_dir),
+            id=run_id,
+            resume="allow",
+            name=f"report-{out_dir.name}",
+            reinit="finish_previous",
+            settings=wandb.Settings(init_timeout=settings["timeout_s"]),
+        )
+        run.log(
+            {
+                "report": wandb.Table(
+                    columns=columns, data=[[row[c] for c in columns] for row in table]
+                ),
+                **{p.stem: wandb.Image(str(p)) for p in images},
+            }
+        )
         run.finish()
     except Exception as e:  # the local report is what matters
         log.warning("report: W&B logging failed (%s); local files are written", e)
@@ -180,5 +241,3 @@ def log_report(columns: list[str], table: list[dict], images: list[Path], out_di
 def logged(run_dirs: list[Path]) -> bool:
     """Whether any of these runs logged to W&B (the report then goes there too)."""
     return any((d / "wandb").is_dir() for d in run_dirs)
-
-
