@@ -6,6 +6,12 @@ STAMP  := $(VENV)/.installed
 # make test runs the suite in this many pytest-xdist processes: most tests wait on subprocesses
 # (train.py runs, torchrun, SLURM), so 2 cut the 2-core CI machine's 10.5 min to 7.5 min.
 TEST_WORKERS ?= 2
+# A machine without a GPU can take torch's CPU-only wheels (a few hundred MB instead of the ~6 GB
+# venv with the CUDA wheels): make train TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+
+# GPU targets check first, and stop at once on a machine without one (make exits 2)
+NEEDS_GPU = @$(BIN)/python -c "import sys, torch; torch.cuda.is_available() or sys.exit('make $@ needs a CUDA GPU and none is visible (torch.cuda.is_available() is False). On this machine: make train, make test, make lint, make bench-headline, make bench-cpu')"
 
 .PHONY: install train test lint format test-gpu bench bench-headline bench-cpu bench-memory bench-loader bench-profile bench-fast bench-prepared bench-scaling clean
 
@@ -13,6 +19,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(if $(TORCH_INDEX),$(BIN)/python -m pip install -q torch torchvision --index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
@@ -28,34 +35,42 @@ lint: $(STAMP)           ## ruff: lint and format check (CI runs it before the t
 format: $(STAMP)         ## ruff: fix what it can and format the tree
 	$(BIN)/ruff check --fix . && $(BIN)/ruff format .
 
-test-gpu: $(STAMP)       ## only the tests marked gpu (on a CUDA machine)
+test-gpu: $(STAMP)       ## only the tests marked gpu (GPU)
+	$(NEEDS_GPU)
 	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)
 
-bench-headline: $(STAMP) ## train.py precision=P batch=B on the default: fp32/amp/bf16 x batch 16..1024
+bench-headline: $(STAMP) ## (CPU or GPU; ~9 min on a 2-core CPU, the sum of the README table's CPU runs) train.py precision=P batch=B on the default: fp32/amp/bf16 x batch 16..1024
 	$(BIN)/python benchmarks/headline.py
 
-bench-cpu: $(STAMP)      ## train.py vs a bare PyTorch loop on this CPU
+bench-cpu: $(STAMP)      ## (CPU) train.py vs a bare PyTorch loop on this CPU
 	$(BIN)/python benchmarks/bare_vs_train.py --preset cpu
 
-bench: $(STAMP)          ## train.py vs a bare loop: fp32/tf32/amp/bf16 x channels_last x compile, every GPU
+bench: $(STAMP)          ## (GPU) train.py vs a bare loop: fp32/tf32/amp/bf16 x channels_last x compile, every GPU
+	$(NEEDS_GPU)
 	$(BIN)/python benchmarks/bare_vs_train.py --preset gpu --matrix --gpus all
 
-bench-memory: $(STAMP)   ## batch=auto vs an independent bisection under a 24 GiB cap (fp32, amp, amp+ckpt)
+bench-memory: $(STAMP)   ## (GPU) batch=auto vs an independent bisection under a 24 GiB cap (fp32, amp, amp+ckpt)
+	$(NEEDS_GPU)
 	$(BIN)/python benchmarks/batch_search.py
 
-bench-loader: $(STAMP)   ## every data path (original / prepared copy, workers / nvJPEG) next to the GPU's rate
+bench-loader: $(STAMP)   ## (GPU) every data path (original / prepared copy, workers / nvJPEG) next to the GPU's rate
+	$(NEEDS_GPU)
 	$(BIN)/python benchmarks/loader.py
 
-bench-profile: $(STAMP)  ## where experiment=fast's step goes (kernels by kind, GPU idle)
+bench-profile: $(STAMP)  ## (GPU) where experiment=fast's step goes (kernels by kind, GPU idle)
+	$(NEEDS_GPU)
 	$(BIN)/python benchmarks/profile_step.py
 
-bench-fast: $(STAMP)     ## experiment=fast next to variants of it (no kernel tuning, batch 768)
+bench-fast: $(STAMP)     ## (GPU) experiment=fast next to variants of it (no kernel tuning, batch 768)
+	$(NEEDS_GPU)
 	$(BIN)/python benchmarks/fast_variants.py
 
-bench-prepared: $(STAMP) ## accuracy on the original JPEGs vs the prepared copy (generated digit photos)
+bench-prepared: $(STAMP) ## (GPU) accuracy on the original JPEGs vs the prepared copy (generated digit photos)
+	$(NEEDS_GPU)
 	$(BIN)/python benchmarks/prepared_accuracy.py
 
-bench-scaling: $(STAMP)  ## DDP: 1 GPU vs torchrun on 2 GPUs, same per-GPU batch
+bench-scaling: $(STAMP)  ## (2 GPUs) DDP: 1 GPU vs torchrun on 2 GPUs, same per-GPU batch
+	$(NEEDS_GPU)
 	$(BIN)/python benchmarks/scaling.py
 
 clean:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -78,11 +79,17 @@ def main() -> None:
     a = ap.parse_args()
     from mixprec import prepare
 
+    # a stop (Ctrl-C, or SIGTERM from timeout or a scheduler) leaves no generated images behind:
+    # both unwind through the TemporaryDirectory below, which removes them
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
     meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(["python3", *sys.argv])}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         raw, small = Path(tmp) / "digits", Path(tmp) / f"digits-{a.short_side}"
+        print(f"generating digit photos in {raw} ...", flush=True)
         meta["images"] = make_digit_folder(raw, a.copies, a.val_copies, a.workers)
+        print(f"preparing a copy at short side {a.short_side} ...", flush=True)
         prepare.prepare(raw, small, prepare.Recipe(a.short_side, 90, False), a.workers, False)
         paths = [
             ("original", raw, "workers"),
@@ -91,6 +98,7 @@ def main() -> None:
         ]
         for seed in a.seeds.split(","):
             for name, root, decode in paths:
+                print(f"seed {seed}: training on {name} ({decode}) ...", flush=True)
                 r = train_rate(
                     [
                         "model=resnet18",

@@ -163,15 +163,21 @@ def test_a_resume_with_another_optimizer_is_a_clear_error(cfg_factory):
         )
 
 
-def test_a_resume_with_another_batch_is_refused_and_the_summary_says_failed(cfg_factory):
+def test_a_resume_with_another_batch_is_refused_and_leaves_the_run_as_it_was(cfg_factory):
+    """A refused resume writes nothing: the finished run keeps its summary, and the correct
+    resume afterwards continues it."""
     cfg = cfg_factory("batch=32", "trainer.max_steps=2")
     assert run.run(cfg)["status"] == "completed"
+    before = (Path(cfg.run_dir) / "summary.json").read_text()
     with pytest.raises(CheckpointError, match="batch 32 -> 64"):
         run.run(
             cfg_factory("batch=64", "trainer.max_steps=4", "resume=auto", f"run_dir={cfg.run_dir}")
         )
-    s = summary(Path(cfg.run_dir))
-    assert s["status"] == "failed" and s["exit_code"] == 5  # not the earlier `completed`
+    assert (Path(cfg.run_dir) / "summary.json").read_text() == before
+    again = run.run(
+        cfg_factory("batch=32", "trainer.max_steps=4", "resume=auto", f"run_dir={cfg.run_dir}")
+    )
+    assert again["status"] == "completed" and again["steps"] == 4
 
 
 def test_a_finished_run_dir_is_refused_without_resume_and_started_over_with_overwrite(cfg_factory):

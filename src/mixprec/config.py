@@ -33,6 +33,7 @@ from .errors import ConfigError, check, nearest, one_of
 from .hardware import HardwareConfig, Profiles
 from .models import ModelConfig
 from .optim import OptimizerConfig, SchedulerConfig
+from .perf import MIN_TIMED_STEPS
 from .precision import ScalerConfig
 from .safety import DebugConfig
 
@@ -117,6 +118,22 @@ class TrainConfig:
             self.effective_batch,
             "null or an int >= 1",
         )
+        self._objective_can_be_measured()
+
+    def _objective_can_be_measured(self) -> None:
+        """A rate objective needs steps to time after the warm-up: a sweep over runs too short
+        to time would have no trial to compare (a config error before any job, not N nulls)."""
+        t = self.trainer
+        if self.objective not in ("samples_per_s", "mfu") or t.max_steps is None:
+            return
+        timed = t.max_steps - t.perf_warmup_steps
+        if timed < MIN_TIMED_STEPS:
+            raise ConfigError(
+                f"objective={self.objective} with trainer.max_steps={t.max_steps} and "
+                f"trainer.perf_warmup_steps={t.perf_warmup_steps} leaves {max(timed, 0)} timed "
+                f"steps; it needs at least {MIN_TIMED_STEPS} to measure: raise "
+                "trainer.max_steps or lower trainer.perf_warmup_steps"
+            )
 
 
 def register_configs() -> None:

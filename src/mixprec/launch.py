@@ -39,3 +39,18 @@ def job_name(run_dir: Path) -> str:
 def task_overrides() -> list[str]:
     hc = hydra_config()
     return list(hc.overrides.task) if hc else []
+
+
+def hydra_files(cfg) -> dict[str, str]:
+    """What Hydra writes into `.hydra/` (config.yaml, hydra.yaml, overrides.yaml), as text;
+    empty outside Hydra (a script, or torchrun's other ranks)."""
+    from omegaconf import OmegaConf
+
+    hc = hydra_config()
+    if hc is None:
+        return {}
+    return {
+        "config.yaml": OmegaConf.to_yaml(cfg),
+        "hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": hc})),
+        "overrides.yaml": OmegaConf.to_yaml(OmegaConf.create(list(hc.overrides.task))),
+    }

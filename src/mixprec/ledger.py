@@ -99,10 +99,13 @@ class StepLedger:
         self.pending = out
         if self.started is not None:  # one sync: how long compile / autotuning / capture took
             float(out.loss)
+            gpu = self.hooks.meter.device.type == "cuda"
             log.info(
-                "first step took %.1fs (compile, cuDNN autotuning and graph capture happen "
-                "here; warm-up keeps them out of samples/s)",
+                "first step took %.1fs (%s; warm-up keeps it out of samples/s)",
                 time.perf_counter() - self.started,
+                "compile, cuDNN autotuning and graph capture happen here"
+                if gpu
+                else "compile, if on, happens here",
             )
             self.started = None
 

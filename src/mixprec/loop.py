@@ -64,6 +64,7 @@ class TrainState:
         default_factory=dict
     )  # the last evaluation: {"val/loss": ..., "val/acc1": ...}
     last_loss: float | None = None
+    elapsed_s: float = 0.0  # wall seconds of the run up to this state (resumed parts included)
     layout: dict = field(default_factory=dict)  # batch, accum, world: what the counts are in
 
     @classmethod

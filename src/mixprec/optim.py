@@ -169,7 +169,7 @@ def build_optimizer(
         "fused kernels"
         if fused
         else {True: "foreach kernels", False: "per-tensor kernels"}.get(
-            ocfg.foreach, "torch's default kernels (foreach on a GPU)"
+            ocfg.foreach, "torch's default kernels"
         ),
     )
     optimizer = create_optimizer_v2(
@@ -189,6 +189,13 @@ def build_scheduler(
             optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=scfg.pct_start
         )
     warm, decay = scfg.warmup(total_steps), _DECAYS[scfg.name]
+    if scfg.name == "step" and scfg.step_size >= total_steps - warm:
+        log.warning(
+            "scheduler=step: scheduler.step_size=%d is not below this run's %d steps after "
+            "warm-up, so the learning rate never steps down; lower scheduler.step_size",
+            scfg.step_size,
+            total_steps - warm,
+        )
 
     def factor(step: int) -> float:
         if step < warm:

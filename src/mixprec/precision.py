@@ -207,7 +207,12 @@ class Precision:
             if s.is_enabled()
             else "GradScaler off"
         )
-        return f"precision={self.name}: {cast}, {scale}, TF32 {'on' if self.tf32 else 'off'}"
+        tf32 = (
+            f"TF32 {'on' if self.tf32 else 'off'}"
+            if self.device_type == "cuda"
+            else "no TF32 (CPU)"
+        )
+        return f"precision={self.name}: {cast}, {scale}, {tf32}"
 
 
 Plugin = Precision

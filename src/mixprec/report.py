@@ -13,19 +13,21 @@ from __future__ import annotations
 import argparse
 import csv
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 from . import metrics, summary
+from .report_plots import draw
+from .report_runs import find_runs, read_run, read_runs  # noqa: F401  (sweep.py reads them here)
 from .sinks import wandb as wandb_sink
-from .sinks.local import read_jsonl
 
 log = logging.getLogger(__name__)
-RATIOS = {
-    "samples_per_s": "speedup_vs_fp32",
-    "peak_mem_gib": "mem_saving_vs_fp32",
-    "max_batch": "max_batch_vs_fp32",
-}  # the column after which each ratio to fp32 stands
+RATIOS = {  # the columns after each metric's: its spread, its ratio to the fp32 run
+    "samples_per_s": ("samples_per_s_spread", "speedup_vs_fp32", "within_noise"),
+    "peak_mem_gib": ("memory", "mem_saving_vs_fp32"),
+    "max_batch": ("max_batch_vs_fp32",),
+}
 COLUMNS = [
     "run",
     "status",
@@ -33,53 +35,9 @@ COLUMNS = [
     "batch",
     "accum",
     "effective_batch",
-    *(c for m in metrics.report_columns() for c in (m, RATIOS.get(m)) if c),
+    *(c for m in metrics.report_columns() for c in (m, *RATIOS.get(m, ()))),
     "error",
 ]
-
-
-def find_runs(paths: list[Path]) -> list[Path]:
-    """Run dirs: the given dirs themselves if they are runs, else their job subdirs."""
-    runs: list[Path] = []
-    for p in paths:
-        if (p / ".hydra").is_dir():
-            runs.append(p)
-        else:
-            jobs = [d for d in p.iterdir() if d.is_dir() and (d / ".hydra").is_dir()]
-            runs += sorted(jobs, key=lambda d: (len(d.name), d.name))
-    return runs
-
-
-def _overrides(run: Path) -> list[str]:
-    path = run / ".hydra" / "overrides.yaml"
-    if not path.exists():
-        return []
-    import yaml
-
-    return [
-        o
-        for o in yaml.safe_load(path.read_text()) or []
-        if not o.startswith(("hydra.", "run_dir", "logger"))
-    ]
-
-
-def _labels(run_dirs: list[Path]) -> list[str]:
-    """Each run named by the overrides that tell it apart from the others."""
-    overrides = [_overrides(d) for d in run_dirs]
-    common = set.intersection(*map(set, overrides)) if len(overrides) > 1 else set()
-    return [
-        ",".join(o for o in ov if o not in common) or d.name for ov, d in zip(overrides, run_dirs)
-    ]
-
-
-def read_run(run: Path, label: str) -> dict[str, Any]:
-    row = summary.read(run)
-    row["run"] = label
-    row["dir"] = str(run)
-    row["overrides"] = _overrides(run)
-    metrics = run / "metrics.jsonl"
-    row["curves"] = read_jsonl(metrics) if metrics.exists() else []
-    return row
 
 
 _num = summary.number
@@ -118,6 +76,12 @@ def build_table(runs: list[dict]) -> list[dict]:
         sps, mem = _num(r.get("samples_per_s")), _num(r.get("peak_mem_gib"))
         if base and sps:
             row["speedup_vs_fp32"] = sps / base["samples_per_s"]
+            noise = 2 * max(
+                _num(r.get("samples_per_s_spread")) or 0.0,
+                _num(base.get("samples_per_s_spread")) or 0.0,
+            )
+            if noise and base is not r:  # no further from 1 than the runs' own windows move
+                row["within_noise"] = abs(row["speedup_vs_fp32"] - 1) <= noise
         if base and mem and _num(base.get("peak_mem_gib")):
             row["mem_saving_vs_fp32"] = 1 - mem / base["peak_mem_gib"]
         if base and _num(r.get("max_batch")) and _num(base.get("max_batch")):
@@ -150,85 +114,83 @@ def seed_groups(runs: list[dict]) -> list[dict]:
 def _fmt(v: Any) -> str:
     if v is None:
         return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 10 else f"{v:,.1f}"
     return str(v)
 
 
+def _cell(v: Any) -> str:
+    """A markdown table cell: a `|` would end the cell, HTML would render."""
+    return (
+        _fmt(v)
+        .replace("&", "&amp;")
+        .replace("<", "&lt;")
+        .replace(">", "&gt;")
+        .replace("|", "\\|")
+        .replace("\n", " ")
+    )
+
+
+def shown(table: list[dict]) -> list[str]:
+    """The columns with a value in some row (a CPU sweep has no MFU, loss scale or max batch)."""
+    return [
+        c for c in COLUMNS if c in ("run", "status") or any(r.get(c) is not None for r in table)
+    ]
+
+
 def markdown(table: list[dict]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_fmt(row[c]) for c in COLUMNS) + " |" for row in table]
+    cols = shown(table)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_cell(row[c]) for c in cols) + " |" for row in table]
     return "\n".join(lines) + "\n"
 
 
+def notes(runs: list[dict]) -> str:
+    """What a reader must know before comparing the numbers."""
+    out = []
+    if any(r.get("device") == "cpu" for r in runs):
+        out.append(
+            "These runs ran on a CPU: speed ratios between precisions there are not what "
+            "a GPU shows (float16 is emulated, TF32 does nothing), and memory is the "
+            "process's resident memory (RSS), not GPU memory."
+        )
+    if any(r.get("within_noise") for r in runs):
+        out.append(
+            "`within_noise`: the speed-up is no further from 1 than twice the larger "
+            "spread of the two runs' own throughput windows; run longer or repeat "
+            "(seed=0,1,2) before reading a difference into it."
+        )
+    return "".join(f"> {line}\n>\n" for line in out).rstrip(">\n") + ("\n\n" if out else "")
+
+
 def console(table: list[dict]) -> str:
-    cells = [COLUMNS] + [[_fmt(row[c]) for c in COLUMNS] for row in table]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
+    cols = shown(table)
+    cells = [cols] + [[_fmt(row[c]) for c in cols] for row in table]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cols))]
     out = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
     out.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(out)
 
 
-def draw(runs: list[dict], out_dir: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    done = [r for r in runs if _num(r.get("samples_per_s"))]
-    paths = []
-    fig, axes = plt.subplots(1, 2, figsize=(12, 0.5 * max(4, len(runs)) + 1))
-    for ax, key, title in (
-        (axes[0], "samples_per_s", "throughput (samples/s)"),
-        (axes[1], "peak_mem_gib", "peak memory (GiB)"),
-    ):
-        labels = [r["run"] for r in runs]
-        values = [_num(r.get(key)) or 0.0 for r in runs]
-        colors = ["tab:blue" if r.get("status") == "completed" else "tab:red" for r in runs]
-        ax.barh(labels, values, color=colors)
-        ax.set_title(title + ("" if len(done) == len(runs) else "  (red: failed)"))
-        ax.invert_yaxis()
-    fig.tight_layout()
-    paths.append(out_dir / "report_bars.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for ax, key, title in (
-        (axes[0], "train/loss", "train loss"),
-        (axes[1], "amp/loss_scale", "loss scale"),
-        (axes[2], "val/acc1", "val top-1"),
-    ):
-        for r in runs:
-            pts = [
-                (m["step"], _num(m.get(key))) for m in r["curves"] if _num(m.get(key)) is not None
-            ]
-            if pts:
-                ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, label=r["run"])
-        ax.set_title(title)
-        ax.set_xlabel("optimizer step")
-        if key == "amp/loss_scale":
-            ax.set_yscale("log", base=2)
-    axes[2].legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    paths.append(out_dir / "report_curves.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
-
-
 def write(
-    paths: list[Path], out_dir: Path | None = None, to_wandb: bool | None = None, plots: bool = True
+    paths: list[Path],
+    out_dir: Path | None = None,
+    to_wandb: bool | None = None,
+    plots: bool = True,
+    echo: bool = True,
 ) -> dict:
-    """Build the report for these sweep/run dirs (the PNGs too unless `plots` is false);
-    returns {'table': ..., 'files': [...]}."""
+    """Build the report for these sweep/run dirs (the PNGs too unless `plots` is false; the
+    table on the console if `echo`); returns {'table': ..., 'files': [...]}."""
     run_dirs = find_runs(paths)
     if not run_dirs:
         raise SystemExit(f"no run directories (with .hydra/) under {', '.join(map(str, paths))}")
-    out_dir = out_dir or paths[0]
-    runs = [read_run(d, label) for d, label in zip(run_dirs, _labels(run_dirs))]
+    out_dir = out_dir or default_out(paths)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = read_runs(run_dirs)
     table = build_table(runs)
-    text = markdown(table)
+    text = notes([{**r, **t} for r, t in zip(runs, table)]) + markdown(table)
     pooled = seed_groups(runs)
     if pooled:
         text += (
@@ -250,8 +212,9 @@ def write(
         w.writeheader()
         w.writerows(table)
     files = [out_dir / "report.md", out_dir / "report.csv", *(draw(runs, out_dir) if plots else [])]
-    print(console(table))
-    print("wrote " + ", ".join(str(p) for p in files))
+    if echo:
+        print(console(table))
+        print("wrote " + ", ".join(str(p) for p in files))
     if to_wandb if to_wandb is not None else wandb_sink.logged(run_dirs):
         wandb_sink.log_report(
             COLUMNS, table, [p for p in files if p.suffix == ".png"], out_dir, run_dirs
@@ -259,12 +222,24 @@ def write(
     return {"table": table, "files": files}
 
 
+def default_out(paths: list[Path]) -> Path:
+    """One sweep or run dir: the report goes into it. Several dirs: a report dir of its own
+    (outputs/reports/<date>_<time>), not into one of the runs."""
+    if len(paths) == 1:
+        return paths[0]
+    return Path("outputs") / "reports" / time.strftime("%Y-%m-%d_%H-%M-%S")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         prog="python -m mixprec.report", description=__doc__.split("\n")[0]
     )
     ap.add_argument("dirs", nargs="+", type=Path, help="a multirun sweep dir, or run dirs")
-    ap.add_argument("--out", type=Path, help="where to write (default: the first dir)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="where to write (default: the dir given; with several, outputs/reports/<date>_<time>)",
+    )
     ap.add_argument("--no-wandb", action="store_true", help="do not log the table to W&B")
     a = ap.parse_args()
     missing = [str(d) for d in a.dirs if not d.is_dir()]

@@ -44,21 +44,44 @@ log = logging.getLogger("mixprec")
 
 def main(cfg: DictConfig) -> float | None:
     """Hydra's task function: returns the objective (for sweepers such as Optuna). In a multirun
-    a failed job returns nan (a failed trial) and the sweep goes on; its row in report.md says
-    why, and the multirun exits with the first failed job's code (report.ReportCallback)."""
+    a failed job returns None (a failed trial) and the sweep goes on; its row in report.md says
+    why, and the multirun exits with the first failed job's code (sweep.ReportCallback)."""
     try:
-        return run(cfg)[cfg.objective]
+        value = run(cfg)[cfg.objective]
     except MixprecError as e:
-        log.error("%s: %s", e.label, e)
         # a stop signal ends an in-process sweep; a job in its own process (SLURM) just ends
         if launch.multirun() and (launch.own_process() or not isinstance(e, Preempted)):
             summary.record_refusal(cfg, e)
-            return math.nan
+            return None
         raise SystemExit(e.exit_code) from None
+    if value is None and launch.multirun():
+        log.warning(
+            "objective=%s is null for this run (not measured: e.g. too few steps after "
+            "the warm-up to time); a sweeper counts it as a failed trial",
+            cfg.objective,
+        )
+    return value
 
 
 def run(cfg: DictConfig) -> dict:
-    """Train as configured; returns the summary (also written to summary.json)."""
+    """Train as configured; returns the summary (also written to summary.json). Until the run
+    is accepted (its config valid, its run dir locked and its own, a resume fitted) it writes
+    nothing: a refused run leaves no trace in the dir it was refused from (rundir.Journal)."""
+    journal = rundir.Journal()
+    run_dir = Path(OmegaConf.select(cfg, "run_dir", default=".", throw_on_missing=False) or ".")
+    try:
+        if launch.multirun():  # a job's dir is new; the sweep's report reads it, failed or not
+            journal.accept(run_dir, cfg)
+        return _run(cfg, journal)
+    except MixprecError as e:
+        if not getattr(e, "reported", False):  # a run that trained reported it above its result
+            log.error("%s: %s", e.label, e)
+        raise
+    finally:
+        journal.close(run_dir)
+
+
+def _run(cfg: DictConfig, journal: rundir.Journal) -> dict:
     c = validate(cfg)
     hw = build.resolve_hardware(c)
     dd = distributed.init(hw.device)  # world 1 unless started by torchrun / SLURM
@@ -68,15 +91,9 @@ def run(cfg: DictConfig) -> dict:
         with rundir.RunDirLock(run_dir) if dd.main else nullcontext():
             if dd.main:
                 rundir.prepare(run_dir, c.resume, c.overwrite)
-            earlier = dd.main and rundir.holds_a_run(run_dir)
-            resolved, session = OmegaConf.to_container(cfg, resolve=True), None
-            try:
-                session = Session(build.build(c, hw, dd), resolved)
-                return session.train()
-            except MixprecError as e:  # e.g. a resume that failed: the summary must not say
-                if earlier and not (session and session.summary):  # `completed` any more
-                    summary.record_refusal(cfg, e, replace=True)
-                raise
+            accept = (lambda: journal.accept(run_dir, cfg)) if dd.main else (lambda: None)
+            resolved = OmegaConf.to_container(cfg, resolve=True)
+            return Session(build.build(c, hw, dd), resolved, accept).train()
     finally:
         distributed.close()
 
@@ -85,13 +102,14 @@ class Session:
     """One run's life in its run dir: resume, train, and how it ended (summary.json, W&B,
     the final line)."""
 
-    def __init__(self, parts: build.Parts, resolved: dict) -> None:
-        self.p, self.resolved = parts, resolved
+    def __init__(self, parts: build.Parts, resolved: dict, accept=lambda: None) -> None:
+        self.p, self.resolved, self.accept = parts, resolved, accept
         self.state = loop.TrainState(layout=parts.layout.as_dict())
         self.status, self.error, self.t0 = "failed", None, time.perf_counter()
         self.summary: dict = {}
         self.ckpt = parts.run_dir / "checkpoints" / "last.pt"
         self.found: Path | None = None  # the checkpoint this run resumed from
+        self.state_at_resume = 0.0  # wall seconds of the run before that checkpoint
         self.phases = hardware.PhaseMemory(
             parts.learner.model, parts.learner.optimizer, parts.device
         )
@@ -101,6 +119,7 @@ class Session:
         blob = self._resume()
         if blob is not None and self.state.step >= p.plan.total_steps:
             return self._already_done()
+        self.accept()  # from here on the run dir is this run's: .hydra/, train.log
         self.tracker = Tracker(self._sinks(blob) if p.dist.main else [])
         self.hooks = hooks = self._hooks()
         try:
@@ -135,6 +154,8 @@ class Session:
         checkpoint.check_fits(blob, found, p.layout.as_dict())
         saved = checkpoint.restore(blob, found, p.learner)
         self.state = loop.TrainState.restored(saved, p.layout.as_dict())
+        if self._continues_own_run():  # a run from another run's checkpoint is a new run
+            self.state_at_resume = self.state.elapsed_s
         log.info(
             "resumed from %s at step %d (epoch %d, micro-batch %d)",
             found,
@@ -160,7 +181,7 @@ class Session:
         """The logger's sinks; a run that continues this run dir's own checkpoint continues
         their runs (a run started from another run's checkpoint is a new run)."""
         p, c = self.p, self.p.config
-        own = blob is not None and self.found.resolve().parent.parent == p.run_dir.resolve()
+        own = blob is not None and self._continues_own_run()
         tags = (c.precision.name, c.model.name, p.hw.name, c.name)
         ctx = sinks.Context(
             p.run_dir,
@@ -209,6 +230,7 @@ class Session:
         )
 
     def _save(self, state: loop.TrainState) -> None:
+        state.elapsed_s = self.wall_s  # a resumed run's wall_s counts the earlier parts too
         if self.p.dist.main:  # one writer; every rank holds the same weights
             checkpoint.save(
                 self.ckpt, self.p.learner, state, self.resolved, self.p.config.ckpt.keep
@@ -239,10 +261,20 @@ class Session:
         if self.p.config.diagnose and self.p.dist.main:
             diagnose.loss_scale_plot(self.p.run_dir)
         if self.p.dist.main:
-            log.info(messages.final_line(self))
+            if self.error is not None and not isinstance(self.error, Preempted):
+                log.error("%s: %s", self.error.label, self.error)  # the why, then the result
+            if self.error is not None:
+                self.error.reported = True
+            log.info(messages.final_line(self))  # the last line: how the run ended
         if self.status == "preempted":  # last: submitit's handler requeues the job and exits
             hooks.stop.forward()
 
     @property
     def wall_s(self) -> float:
-        return time.perf_counter() - self.t0
+        """Wall seconds of the whole run: this part, and the parts before a resume."""
+        return self.state_at_resume + time.perf_counter() - self.t0
+
+    def _continues_own_run(self) -> bool:
+        """Resumed from this run dir's own checkpoint (not from another run's)."""
+        run_dir = self.p.run_dir.resolve()
+        return self.found is not None and self.found.resolve().parent.parent == run_dir

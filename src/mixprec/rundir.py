@@ -13,12 +13,14 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import logging.handlers
 import os
 import shutil
 import socket
 import time
 from pathlib import Path
 
+from . import files
 from .errors import ConfigError, RunDirBusy
 
 log = logging.getLogger(__name__)
@@ -109,3 +111,56 @@ def prepare(run_dir: Path, resume: str | None, overwrite: bool) -> None:
         else:
             path.unlink(missing_ok=True)
     log.warning("overwrite=true: removed the previous run's files from %s", run_dir)
+
+
+class Journal:
+    """What a run records about itself in its run dir beside its results: Hydra's files
+    (`.hydra/config.yaml`, `hydra.yaml`, `overrides.yaml`) and the console log (`train.log`).
+
+    Nothing is written until the run is accepted (the lock is held, the config and the run dir's
+    rule passed, a resume fitted): until then log records are held in memory, and a refused run
+    drops them and removes the run dir Hydra made for it if it is still empty. So a refused run
+    never relabels or appends to the run it was refused from. A multirun job accepts at once: its
+    dir is new, and the sweep's report reads its config and log even when it failed."""
+
+    def __init__(self) -> None:
+        self.buffer = logging.handlers.MemoryHandler(1_000_000, flushLevel=logging.CRITICAL + 1)
+        self.file: logging.Handler | None = None
+        self.run_dir: Path | None = None
+        logging.getLogger().addHandler(self.buffer)
+
+    def accept(self, run_dir: Path, cfg) -> None:
+        """Write Hydra's files into `run_dir` and the held log records into its train.log."""
+        if self.file is not None:
+            return
+        from . import launch
+
+        hydra_files = launch.hydra_files(cfg)
+        if hydra_files:
+            (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+            for name, text in hydra_files.items():
+                files.write_atomic(run_dir / ".hydra" / name, text)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = logging.FileHandler(run_dir / "train.log")
+        self.file.setFormatter(
+            logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+        )
+        self.buffer.setTarget(self.file)
+        self.buffer.flush()
+        logging.getLogger().addHandler(self.file)
+        logging.getLogger().removeHandler(self.buffer)
+
+    def close(self, run_dir: Path | None) -> None:
+        """End of the run: close train.log, or (never accepted) drop the held records and the
+        empty run dir Hydra made."""
+        root = logging.getLogger()
+        root.removeHandler(self.buffer)
+        self.buffer.buffer.clear()
+        if self.file is not None:
+            root.removeHandler(self.file)
+            self.file.close()
+        elif run_dir is not None and run_dir != Path(".") and run_dir.is_dir():
+            left = {p.name for p in run_dir.iterdir()}
+            if left <= {".lock"}:  # made for this run alone (its released lock at most)
+                (run_dir / ".lock").unlink(missing_ok=True)
+                run_dir.rmdir()

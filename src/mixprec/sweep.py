@@ -4,7 +4,6 @@ first failed job's code once every job has run (train.yaml: hydra.callbacks.repo
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from pathlib import Path
 
@@ -23,16 +22,26 @@ class ReportCallback(Callback):
     def __init__(self) -> None:
         self.failed: dict[str, tuple[int, str]] = {}  # jobs run in this process that failed
 
+    def on_multirun_start(self, config, **kwargs) -> None:
+        """A sweep sized for a GPU (needs_gpu=true) on a machine without one: one message and
+        exit 2 before any job starts or anything is written (not one failure per job)."""
+        if config.get("needs_gpu") and not _cuda():
+            log.error(
+                "config error: experiment=%s is sized for a GPU (needs_gpu=true) and no CUDA GPU "
+                "is visible, so none of its jobs can run here. Run it on a CUDA machine, or try "
+                "its jobs small on this CPU: needs_gpu=false hardware=cpu batch=8 "
+                "data.shape=[3,32,32] trainer.max_steps=20",
+                config.get("name"),
+            )
+            sys.exit(2)
+
     def on_job_end(self, config, job_return=None, **kwargs) -> None:
         if str(config.hydra.mode) != "RunMode.MULTIRUN":
             return
-        value = getattr(job_return, "_return_value", None)
-        if str(getattr(job_return, "status", "")) == "JobStatus.FAILED" or (
-            isinstance(value, float) and math.isnan(value)
-        ):  # run.main's failed job
+        if str(getattr(job_return, "status", "")) == "JobStatus.FAILED":  # an unexpected error
             job = Path(config.hydra.runtime.output_dir).name
-            self.failed[job] = (2 if isinstance(value, float) else 1, "see the job's train.log")
-        self._write(Path(config.hydra.sweep.dir), to_wandb=False, plots=False)  # plots at the end
+            self.failed[job] = (1, "see the job's train.log")
+        self._write(Path(config.hydra.sweep.dir), to_wandb=False, plots=False, echo=False)
 
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -49,12 +58,24 @@ class ReportCallback(Callback):
             sys.exit(failed[0][1])
 
     @staticmethod
-    def _write(sweep_dir: Path, to_wandb: bool | None, plots: bool = True) -> None:
+    def write_report(sweep_dir: Path) -> None:
+        ReportCallback._write(sweep_dir, to_wandb=None)
+
+    @staticmethod
+    def _write(
+        sweep_dir: Path, to_wandb: bool | None, plots: bool = True, echo: bool = True
+    ) -> None:
         if sweep_dir.is_dir() and find_runs([sweep_dir]):
             try:
-                write([sweep_dir], to_wandb=to_wandb, plots=plots)
+                write([sweep_dir], to_wandb=to_wandb, plots=plots, echo=echo)
             except Exception as e:  # never turn a finished job or sweep into a failure
                 log.warning("report for %s failed: %s", sweep_dir, e)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def failures(sweep_dir: Path) -> list[tuple[str, int, str]]:

@@ -138,7 +138,8 @@ class Sink:
                 id=run_id,
                 resume="allow" if run_id else None,
                 reinit="finish_previous",
-                settings=wandb.Settings(init_timeout=cfg.timeout_s),
+                # silent: W&B's own ~30 console lines per run; mixprec says where the run is
+                settings=wandb.Settings(init_timeout=cfg.timeout_s, silent=True),
                 **settings,
             ),
             cfg.timeout_s + 5,
@@ -150,6 +151,7 @@ class Sink:
         files.write_json(
             ctx.run_dir / "wandb.json", {**settings, "id": self.run.id, "timeout_s": cfg.timeout_s}
         )
+        self.mode, self.run_dir = settings["mode"], ctx.run_dir
 
     def log(self, row: dict) -> None:
         self.run.log(row)
@@ -189,6 +191,12 @@ class Sink:
             self.timeout_s,
             "finish",
         )
+        if self.mode == "offline":
+            log.info(
+                "W&B: offline run in %s/wandb; upload it with python -m mixprec.sync %s",
+                self.run_dir,
+                self.run_dir,
+            )
 
 
 def log_report(
@@ -223,7 +231,7 @@ def log_report(
             resume="allow",
             name=f"report-{out_dir.name}",
             reinit="finish_previous",
-            settings=wandb.Settings(init_timeout=settings["timeout_s"]),
+            settings=wandb.Settings(init_timeout=settings["timeout_s"], silent=True),
         )
         run.log(
             {

@@ -1,0 +1,96 @@
+"""The sweep report's plots: report_bars.png (throughput with its spread, and peak memory, one
+bar per run, coloured by precision, fp32's value as a reference line) and report_curves.png (loss,
+loss scale and val accuracy over optimizer steps, each panel with its legend; runs without a
+GradScaler have no loss-scale curve)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .summary import number as _num
+
+COLOURS = {
+    "fp32": "tab:gray",
+    "tf32": "tab:brown",
+    "amp": "tab:blue",
+    "amp_accum": "tab:cyan",
+    "bf16": "tab:green",
+    "fp8": "tab:purple",
+    "fp8_rowwise": "tab:pink",
+}
+
+
+def _bars(ax, runs: list[dict], key: str, title: str, spread: str | None) -> None:
+    labels = [r["run"] for r in runs]
+    values = [_num(r.get(key)) or 0.0 for r in runs]
+    errors = [(_num(r.get(spread)) or 0.0) * v for r, v in zip(runs, values)] if spread else None
+    colours = [COLOURS.get(r.get("precision"), "tab:olive") for r in runs]
+    bars = ax.barh(labels, values, color=colours, xerr=errors, capsize=3)
+    for bar, r in zip(bars, runs):
+        if r.get("status") != "completed":
+            bar.set_hatch("//")
+            bar.set_edgecolor("tab:red")
+    fp32 = [v for r, v in zip(runs, values) if r.get("precision") == "fp32" and v]
+    if len(set(fp32)) == 1:  # one fp32 run to compare with: its value as a line
+        ax.axvline(fp32[0], color="black", linestyle="--", linewidth=1, label="fp32")
+    ax.set_title(title, loc="left", fontsize=10)
+    ax.invert_yaxis()
+
+
+def draw(runs: list[dict], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    paths = []
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.5 * max(4, len(runs)) + 1.5))
+    memory = next((r.get("memory") for r in runs if r.get("memory")), None)
+    _bars(
+        axes[0],
+        runs,
+        "samples_per_s",
+        "throughput (samples/s; bar: spread over windows)",
+        "samples_per_s_spread",
+    )
+    _bars(axes[1], runs, "peak_mem_gib", f"peak memory (GiB, {memory or 'unknown'})", None)
+    shown = sorted({r.get("precision") for r in runs if r.get("precision")})
+    handles = [Patch(color=COLOURS.get(p, "tab:olive"), label=p) for p in shown]
+    if any(r.get("status") != "completed" for r in runs):
+        handles.append(Patch(facecolor="white", edgecolor="tab:red", hatch="//", label="failed"))
+    axes[1].legend(handles=handles, fontsize=8, loc="lower right")
+    fig.tight_layout()
+    paths.append(out_dir / "report_bars.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    for ax, key, title in (
+        (axes[0], "train/loss", "train loss"),
+        (axes[1], "amp/loss_scale", "loss scale (runs with a GradScaler)"),
+        (axes[2], "val/acc1", "val top-1"),
+    ):
+        for r in runs:
+            if key == "amp/loss_scale" and r.get("loss_scale") is None:
+                continue  # no GradScaler: its logged scale of 1 is not a loss scale
+            pts = [
+                (m["step"], _num(m.get(key))) for m in r["curves"] if _num(m.get(key)) is not None
+            ]
+            if pts:
+                ax.plot(
+                    *zip(*pts), marker="." if len(pts) < 30 else None, label=r["run"], alpha=0.85
+                )
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("optimizer step")
+        if key == "amp/loss_scale":
+            ax.set_yscale("log", base=2)
+        if ax.lines:
+            ax.legend(fontsize=7, loc="best")
+        else:
+            ax.text(0.5, 0.5, "no run logged one", ha="center", transform=ax.transAxes)
+    fig.tight_layout()
+    paths.append(out_dir / "report_curves.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

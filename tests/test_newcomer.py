@@ -1,0 +1,96 @@
+"""What a newcomer meets on a machine without a GPU, driven as they would drive it (train.py and
+make in subprocesses): a refused run writes nothing, a GPU-sized sweep stops once before any
+job, an Optuna study whose trials fail ends with a message rather than a traceback, and the GPU
+make targets say at once that they need a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, run_train
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "bad", ["batch=0", "+trainer.max_step=3", "needs_gpu=true model=resnet18 data=synthetic"]
+)
+def test_a_refused_run_writes_nothing(tmp_path, bad):
+    run_dir = tmp_path / "run"
+    proc = run_train([*bad.split(), "logger=none", f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "config error" in proc.stdout + proc.stderr
+    assert not run_dir.exists()  # no .hydra/, train.log or .lock left behind
+
+
+def test_a_run_refused_from_a_finished_dir_leaves_its_files_as_they_were(tmp_path):
+    args = ["logger=none", "trainer.max_steps=3", f"hydra.run.dir={tmp_path}"]
+    assert run_train(args).returncode == 0
+    before = {p: (tmp_path / p).read_text() for p in (".hydra/overrides.yaml", "train.log")}
+    refused = run_train([*args, "batch=32"])  # a new run into a dir that holds one
+    assert refused.returncode == 2 and "already holds a run" in refused.stdout + refused.stderr
+    after = {p: (tmp_path / p).read_text() for p in before}
+    assert after == before  # the report still labels the run that ran, with its own log
+    assert "batch=32" not in after[".hydra/overrides.yaml"]
+
+
+def test_a_gpu_sized_sweep_on_a_cpu_stops_once_before_any_job(tmp_path):
+    t0 = time.monotonic()
+    proc = run_train(["experiment=seed_table", f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and out.count("config error") == 1, out[-3000:]
+    assert "needs_gpu=false hardware=cpu" in out  # what to try instead
+    assert not (tmp_path / "sweep").exists() and time.monotonic() - t0 < 60
+
+
+def test_an_optuna_study_whose_trials_all_fail_ends_with_a_message(tmp_path):
+    """Each trial is refused (too few steps to time samples/s): failed trials, then one clear
+    line and the trials' exit code; no Optuna traceback."""
+    sweep = tmp_path / "sweep"
+    proc = run_train(
+        [
+            "experiment=optuna_throughput",
+            "trainer.max_steps=12",
+            "hydra.sweeper.n_trials=2",
+            "logger=none",
+            f"hydra.sweep.dir={sweep}",
+        ]
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "Traceback" not in out and "no trial of the study completed" in out
+    assert "leaves 2 timed steps; it needs at least 10" in out
+    assert (sweep / "report.md").exists()
+    jobs = sorted(d for d in sweep.iterdir() if (d / "summary.json").exists())
+    assert [json.loads((d / "summary.json").read_text())["exit_code"] for d in jobs] == [2, 2]
+
+
+GPU_TARGETS = [
+    "bench",
+    "bench-memory",
+    "bench-loader",
+    "bench-profile",
+    "bench-fast",
+    "bench-scaling",
+    "bench-prepared",
+    "test-gpu",
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present")
+@pytest.mark.parametrize("target", GPU_TARGETS)
+def test_the_gpu_make_targets_say_at_once_that_they_need_a_gpu(target):
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        ["make", "-s", target], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "needs a CUDA GPU" in out, out[-2000:]
+    assert "Traceback" not in out and time.monotonic() - t0 < 60
+    assert not list(Path("/tmp").glob("mixprec-prepared-*"))  # nothing left behind
