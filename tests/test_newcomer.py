@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -94,3 +95,81 @@ def test_the_gpu_make_targets_say_at_once_that_they_need_a_gpu(target):
     assert proc.returncode != 0 and "needs a CUDA GPU" in out, out[-2000:]
     assert "Traceback" not in out and time.monotonic() - t0 < 60
     assert not list(Path("/tmp").glob("mixprec-prepared-*"))  # nothing left behind
+
+
+def test_a_step_schedule_that_never_steps_says_so(cfg_factory, caplog):
+    from mixprec import run
+
+    caplog.set_level("WARNING")
+    run.run(cfg_factory("scheduler=step", "trainer.max_steps=20"))  # step_size 1000 > 20 steps
+    assert "the learning rate never steps down" in caplog.text
+
+
+def test_a_resumed_runs_wall_time_counts_its_earlier_part(cfg_factory):
+    from mixprec import run
+
+    first = cfg_factory("trainer.max_steps=40", "trainer.log_every=10")
+    run.run(first)
+    earlier = torch.load(Path(first.run_dir) / "checkpoints" / "last.pt", weights_only=True)[
+        "state"
+    ]["elapsed_s"]
+    resumed = run.run(
+        cfg_factory("trainer.max_steps=42", "resume=auto", f"run_dir={first.run_dir}")
+    )
+    assert earlier > 0 and resumed["wall_s"] > earlier
+
+
+def test_report_cells_are_escaped_and_several_run_dirs_get_a_report_dir_of_their_own(tmp_path):
+    from mixprec import report
+
+    cell = report.markdown(
+        [
+            {
+                **{c: None for c in report.COLUMNS},
+                "run": "a|b",
+                "status": "failed",
+                "error": "<b>bad</b> | worse",
+            }
+        ]
+    )
+    assert "a\\|b" in cell and "&lt;b&gt;bad&lt;/b&gt; \\| worse" in cell
+    runs = []
+    for name in ("one", "two"):
+        d = tmp_path / name
+        assert (
+            run_train(["trainer.max_steps=2", "logger=none", f"hydra.run.dir={d}"]).returncode == 0
+        )
+        runs.append(str(d))
+    proc = subprocess.run(
+        [sys.executable, "-m", "mixprec.report", *runs, "--no-wandb"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert list(tmp_path.glob("outputs/reports/*/report.md"))
+    assert not any((tmp_path / n / "report.md").exists() for n in ("one", "two"))
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["precision=fp8", "model=vit_small", "data=synthetic"], "float8 tensor cores"),
+        (["precision=fp16"], "Could not find 'precision/fp16'"),
+    ],
+)
+def test_the_diagnose_cli_gives_config_errors_as_train_py_does(args, needle):
+    if torch.cuda.is_available() and "fp8" in args[0]:
+        pytest.skip("a GPU may run fp8")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mixprec.diagnose", *args], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_help_shows_the_defaults_the_config_has():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--help"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert "trainer.clip_grad_norm=None (null: off)" in proc.stdout  # not an example value
+    assert "batch=64" in proc.stdout and "logger=wandb|tensorboard|none" in proc.stdout

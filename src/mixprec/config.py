@@ -118,11 +118,10 @@ class TrainConfig:
             self.effective_batch,
             "null or an int >= 1",
         )
-        self._objective_can_be_measured()
 
-    def _objective_can_be_measured(self) -> None:
-        """A rate objective needs steps to time after the warm-up: a sweep over runs too short
-        to time would have no trial to compare (a config error before any job, not N nulls)."""
+    def check_objective(self) -> None:
+        """For a sweep: a rate objective needs steps to time after the warm-up; a sweep over
+        runs too short to time would have no trial to compare (a config error, not N nulls)."""
         t = self.trainer
         if self.objective not in ("samples_per_s", "mfu") or t.max_steps is None:
             return

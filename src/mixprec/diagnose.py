@@ -233,11 +233,21 @@ def loss_scale_plot(run_dir: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m mixprec.diagnose [overrides...]`: the audit for a config, without training."""
+    from hydra.errors import HydraException
+
     from .build import audit_inputs
     from .config import compose_config, validate
+    from .errors import MixprecError
 
-    cfg = compose_config(argv if argv is not None else sys.argv[1:])
-    model, x, prec = audit_inputs(validate(cfg))
+    try:
+        cfg = compose_config(argv if argv is not None else sys.argv[1:])
+        model, x, prec = audit_inputs(validate(cfg))
+    except MixprecError as e:  # as train.py: one line and its exit code, no traceback
+        print(f"{e.label}: {e}", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+    except HydraException as e:  # an unknown group option, a bad override
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(markdown(audit(model, x, prec.autocast, prec.owned()), prec.name))
 
 

@@ -1,4 +1,4 @@
-"""What can stop a run, by kind. Each kind has its own exit code (README: "When things go wrong"),
+"""What can stop a run, by kind. Each kind has its own exit code (docs/failures.md),
 so a script or a scheduler can tell a typo from a diverged run from a broken file."""
 
 from __future__ import annotations

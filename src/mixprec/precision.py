@@ -207,11 +207,9 @@ class Precision:
             if s.is_enabled()
             else "GradScaler off"
         )
-        tf32 = (
-            f"TF32 {'on' if self.tf32 else 'off'}"
-            if self.device_type == "cuda"
-            else "no TF32 (CPU)"
-        )
+        tf32 = f"TF32 {'on' if self.tf32 else 'off'}"
+        if self.device_type != "cuda" and self.tf32:
+            tf32 = "TF32 does nothing on a CPU"
         return f"precision={self.name}: {cast}, {scale}, {tf32}"
 
 

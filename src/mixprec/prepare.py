@@ -2,7 +2,7 @@
 is at most `--short-side` pixels (the approach of FFCV's dataset writer). The loader workers then
 decode about half the pixels per image, and the copy is a fraction of the original's size (it
 stays in the page cache). It changes pixels: benchmarks/RESULTS.md measures what that does to
-speed and accuracy, and README "Real data" says when to use it.
+speed and accuracy, and docs/real-data.md says when to use it.
 
     python -m mixprec.prepare /data/imagenet /data/imagenet-256
     python train.py data=imagenet data.root=/data/imagenet-256 ...

@@ -31,6 +31,7 @@ from . import (
     rundir,
     sinks,
     summary,
+    sweep,
 )
 from .config import validate
 from .errors import Diverged, MixprecError, OutOfMemory, Preempted
@@ -52,6 +53,7 @@ def main(cfg: DictConfig) -> float | None:
         # a stop signal ends an in-process sweep; a job in its own process (SLURM) just ends
         if launch.multirun() and (launch.own_process() or not isinstance(e, Preempted)):
             summary.record_refusal(cfg, e)
+            sweep.job_failed(cfg, e)
             return None
         raise SystemExit(e.exit_code) from None
     if value is None and launch.multirun():
@@ -70,8 +72,8 @@ def run(cfg: DictConfig) -> dict:
     journal = rundir.Journal()
     run_dir = Path(OmegaConf.select(cfg, "run_dir", default=".", throw_on_missing=False) or ".")
     try:
-        if launch.multirun():  # a job's dir is new; the sweep's report reads it, failed or not
-            journal.accept(run_dir, cfg)
+        if launch.multirun() and not rundir.holds_a_run(run_dir):
+            journal.accept(run_dir, cfg)  # a new job's dir: the report reads it, failed or not
         return _run(cfg, journal)
     except MixprecError as e:
         if not getattr(e, "reported", False):  # a run that trained reported it above its result
@@ -83,6 +85,8 @@ def run(cfg: DictConfig) -> dict:
 
 def _run(cfg: DictConfig, journal: rundir.Journal) -> dict:
     c = validate(cfg)
+    if launch.multirun():  # what the sweeper compares must be measurable
+        c.check_objective()
     hw = build.resolve_hardware(c)
     dd = distributed.init(hw.device)  # world 1 unless started by torchrun / SLURM
     try:

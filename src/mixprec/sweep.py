@@ -14,6 +14,19 @@ from .report import find_runs, read_run, write
 log = logging.getLogger(__name__)
 
 
+FAILED: dict[str, tuple[int, str]] = {}  # job dir name -> (exit code, error), from run.main
+
+
+def job_failed(cfg, e) -> None:
+    """run.main's word that a job of this sweep failed (its summary.json may be an earlier
+    run's, kept because the job was refused from a dir that holds one)."""
+    from omegaconf import OmegaConf
+
+    run_dir = OmegaConf.select(cfg, "run_dir", default=None, throw_on_missing=False)
+    if run_dir:
+        FAILED[Path(run_dir).name] = (e.exit_code, str(e))
+
+
 class ReportCallback(Callback):
     """Keeps report.md/.csv/.png in the sweep dir up to date as each multirun job ends (so a sweep
     that Hydra ends with a job's unexpected error still has its report), logs the final table to
@@ -38,8 +51,10 @@ class ReportCallback(Callback):
     def on_job_end(self, config, job_return=None, **kwargs) -> None:
         if str(config.hydra.mode) != "RunMode.MULTIRUN":
             return
-        if str(getattr(job_return, "status", "")) == "JobStatus.FAILED":  # an unexpected error
-            job = Path(config.hydra.runtime.output_dir).name
+        job = Path(config.hydra.runtime.output_dir).name
+        if job in FAILED:  # a mixprec error: refused or stopped
+            self.failed[job] = FAILED.pop(job)
+        elif str(getattr(job_return, "status", "")) == "JobStatus.FAILED":  # an unexpected error
             self.failed[job] = (1, "see the job's train.log")
         self._write(Path(config.hydra.sweep.dir), to_wandb=False, plots=False, echo=False)
 
