@@ -174,7 +174,7 @@ def _batches(dcfg_overrides, cfg_factory, root, split="val", n=1):
             *dcfg_overrides,
         )
     )
-    d = data.build(c.data, data.Context(8, torch.device("cpu"), 0))
+    d = data.build(c.data, data.Context(8, torch.device("cpu"), c.seed))
     loader = d.val if split == "val" else d.train
     if split == "train":
         loader.set_epoch(0)

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .base import Context
+from .workers import Seeded, quiet_worker, signals_held, stop_workers
 
 
 def to_device(batch, device: torch.device, fmt: torch.memory_format):
@@ -145,7 +146,7 @@ class EpochLoader:
             seed=ctx.seed,
             drop_last=drop_last,
         )
-        self.dataset, self.batch, self.device = dataset, ctx.batch, ctx.device
+        self.dataset, self.batch, self.device = Seeded(dataset, ctx.seed), ctx.batch, ctx.device
         self.drop_last, self.skip, self.seed, self.epoch = drop_last, 0, ctx.seed, 0
         self.stage = stage or (lambda b: to_device(b, ctx.device, ctx.fmt))
         workers = ctx.workers.num_workers
@@ -156,7 +157,9 @@ class EpochLoader:
             collate_fn=collate_fn,
             pin_memory=ctx.workers.pin_memory and ctx.device.type == "cuda",
             prefetch_factor=4 if workers else None,
+            worker_init_fn=quiet_worker if workers else None,
         )
+        self._iterator: Iterator | None = None  # the DataLoader iterator whose workers run now
         self._stream: Iterator | None = None  # persistent: batches of this and later epochs
         self._stream_at: tuple[int, int] | None = None  # (epoch, batch) it yields next
 
@@ -168,8 +171,9 @@ class EpochLoader:
         self.sampler.set_epoch(epoch)
         self.skip, self.epoch = skip, epoch
 
-    def indices(self) -> list[int]:
-        return list(self.sampler)[self.skip * self.batch :]
+    def indices(self) -> list[tuple[int, int]]:
+        """This epoch's samples from `skip` on, as (epoch, index): Seeded draws from both."""
+        return [(self.epoch, i) for i in list(self.sampler)[self.skip * self.batch :]]
 
     def _generator(self) -> torch.Generator:
         # Its own generator: a DataLoader otherwise draws worker seeds from the global RNG at
@@ -179,26 +183,32 @@ class EpochLoader:
     def _batches(self) -> Iterator:
         """This epoch's collated CPU batches, from `skip` on."""
         if not self.persistent:
-            yield from DataLoader(
-                self.dataset,
-                batch_size=self.batch,
-                drop_last=self.drop_last,
-                sampler=self.indices(),
-                generator=self._generator(),
-                **self.loader_kw,
-            )
+            self.close()
+            with signals_held():  # the workers are forked here
+                self._iterator = iter(
+                    DataLoader(
+                        self.dataset,
+                        batch_size=self.batch,
+                        drop_last=self.drop_last,
+                        sampler=self.indices(),
+                        generator=self._generator(),
+                        **self.loader_kw,
+                    )
+                )
+            yield from self._iterator
             return
         if self._stream_at != (self.epoch, self.skip):  # first epoch, a resume, or a jump
             self.close()
             sampler = _Epochs(self.sampler, self.batch, self.drop_last, self.epoch, self.skip)
-            self._stream = iter(
-                DataLoader(
-                    self.dataset,
-                    batch_sampler=sampler,
-                    generator=self._generator(),
-                    **self.loader_kw,
+            with signals_held():  # the workers are forked here
+                self._iterator = self._stream = iter(
+                    DataLoader(
+                        self.dataset,
+                        batch_sampler=sampler,
+                        generator=self._generator(),
+                        **self.loader_kw,
+                    )
                 )
-            )
         for b in range(self.skip, len(self)):
             self._stream_at = None  # a batch taken but not handed on: the position is lost
             batch = next(self._stream)
@@ -214,7 +224,8 @@ class EpochLoader:
         way (done event, then a stop message to each). Left to interpreter exit, torch 2.11 with
         pinned memory joins each one for 5 s before killing it (pytorch#81794): minutes with
         many workers (benchmarks/RESULTS.md)."""
-        self._stream, self._stream_at = None, None
+        stop_workers(self._iterator)
+        self._iterator, self._stream, self._stream_at = None, None, None
 
 
 class _Epochs:
@@ -234,5 +245,5 @@ class _Epochs:
             order = list(self.sampler)
             stop = len(order) - len(order) % self.batch if self.drop_last else len(order)
             for i in range(skip * self.batch, stop, self.batch):
-                yield order[i : i + self.batch]
+                yield [(epoch, j) for j in order[i : i + self.batch]]
             epoch, skip = epoch + 1, 0

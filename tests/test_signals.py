@@ -1,0 +1,167 @@
+"""Stop signals as real tools send them: to the whole process group (a terminal's Ctrl-C, GNU
+`timeout`, SLURM), with DataLoader workers running; and resume bit-exact with workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_data import make_folder
+from test_reliability import assert_identical, weights
+from torch.utils.data import Dataset
+
+from conftest import ROOT, run_train
+
+
+class Noisy(Dataset):
+    """A sample whose "augmentation" is a draw from torch's RNG, as a random crop's is."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int):
+        return torch.rand(3), i
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_augmentation_depends_on_the_sample_not_on_the_worker_or_a_resume(workers):
+    from mixprec.data import Context, Workers
+    from mixprec.data.loaders import EpochLoader
+
+    def epoch(loader, e: int, skip: int = 0) -> list:
+        loader.set_epoch(e, skip)
+        return [(x.tolist(), y.tolist()) for x, y in loader]
+
+    ctx = Context(8, torch.device("cpu"), seed=5, workers=Workers(num_workers=workers))
+    single = EpochLoader(Noisy(), Context(8, torch.device("cpu"), seed=5))
+    ours = EpochLoader(Noisy(), ctx)
+    whole = epoch(single, 1)
+    assert epoch(ours, 1) == whole  # any number of workers: the same draws
+    assert epoch(ours, 1, skip=2) == whole[2:]  # a resume part-way: the same draws
+    assert epoch(ours, 2) != whole  # another epoch: other draws
+    before = torch.get_rng_state()
+    epoch(single, 1)
+    assert torch.equal(torch.get_rng_state(), before)  # the run's own RNG did not move
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    return make_folder(tmp_path_factory.mktemp("images"), n=24)
+
+
+def base(images: Path, workers: int = 2, steps: int = 60) -> list[str]:
+    return [
+        "data=imagenet",
+        f"data.root={images}",
+        "data.image_size=32",
+        "data.eval_resize=36",
+        "model=digits_cnn",
+        "hardware=cpu",
+        f"hardware.num_workers={workers}",
+        "batch=8",
+        f"trainer.max_steps={steps}",
+        "trainer.log_every=5",
+        "ckpt.every_steps=5",
+        "logger=none",
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(images, tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("reference")
+    proc = run_train([*base(images), f"hydra.run.dir={d}"])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return d
+
+
+def start(args: list[str], prefix: list[str] = ()) -> subprocess.Popen:
+    """train.py as the leader of a process group of its own (as a terminal or timeout starts
+    it), so that the group can be signalled without signalling pytest."""
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    return subprocess.Popen(
+        [*prefix, sys.executable, str(ROOT / "train.py"), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int) -> None:
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if list((run_dir / "checkpoints").glob(f"step_{step:08d}.pt")):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read()[-3000:])
+        time.sleep(0.05)
+    raise AssertionError("the run never reached that step")
+
+
+def stopped_at_a_checkpoint(run_dir: Path, proc, sig: int) -> None:
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 128 + sig, out[-3000:]
+    assert "a second signal" not in out and "Traceback" not in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ckpt = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert summary["status"] == "preempted" and summary["steps"] == ckpt["state"]["step"]
+
+
+def finish_and_compare(run_dir: Path, images: Path, reference: Path, proc, sig: int) -> None:
+    stopped_at_a_checkpoint(run_dir, proc, sig)
+    done = run_train([*base(images), "resume=auto", f"hydra.run.dir={run_dir}"])
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert_identical(weights(run_dir), weights(reference))  # bit-exact, workers and all
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2])
+def test_a_signal_to_the_process_group_with_workers_stops_once_and_resumes_exactly(
+    tmp_path, images, reference, sig
+):
+    proc = start([*base(images), f"hydra.run.dir={tmp_path}"])
+    wait_for_step(tmp_path, proc, 10)
+    os.killpg(proc.pid, sig)  # the trainer and its two workers, as a terminal's Ctrl-C does
+    finish_and_compare(tmp_path, images, reference, proc, sig)
+
+
+@pytest.mark.slow
+def test_gnu_timeout_signals_the_group_and_the_run_checkpoints(tmp_path, images):
+    """`timeout` without --foreground sends SIGTERM to its whole process group."""
+    args = [*base(images, steps=100000), f"hydra.run.dir={tmp_path}"]
+    proc = start(args, prefix=["timeout", "--preserve-status", "-s", "TERM", "15"])
+    stopped_at_a_checkpoint(tmp_path, proc, signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_worker_alone_does_not_stop_the_run(tmp_path, images):
+    args = [*base(images), "trainer.stop_grace_s=3", f"hydra.run.dir={tmp_path}"]
+    proc = start(args)
+    wait_for_step(tmp_path, proc, 10)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+    pids = [int(p) for p in workers.stdout.split()]
+    assert pids, "no worker process found"
+    os.kill(pids[0], signal.SIGUSR1)
+    out = proc.communicate(timeout=180)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.slow
+def test_sixteen_workers_and_ctrl_c(tmp_path, images, reference):
+    proc = start([*base(images, workers=16), f"hydra.run.dir={tmp_path}"])
+    wait_for_step(tmp_path, proc, 10)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["checkpoint"]
