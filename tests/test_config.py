@@ -104,6 +104,20 @@ def test_scaler_presets_follow_the_seeds():
         ("optimizer.lr=inf", "optimizer.lr"),
         ("scaler.init_scale=nan", "scaler.init_scale"),
         ("optimizer.momentum=0.9", "optimizer.momentum"),
+        # values that used to pass validation and crash later (exit 1) or that the message's
+        # stated range excludes (issue 26)
+        ("scheduler=onecycle scheduler.pct_start=1.0", "scheduler.pct_start"),
+        ("scheduler=onecycle scheduler.pct_start=0", "scheduler.pct_start"),
+        ("scheduler=step scheduler.gamma=0", "scheduler.gamma"),
+        ("scheduler.warmup_fraction=1", "scheduler.warmup_fraction"),
+        ("scaler.init_scale=1e39", "scaler.init_scale"),
+        ("optimizer=sgd optimizer.momentum=-0.1", "optimizer.momentum"),
+        ("optimizer.betas=[0.9,1.0]", "optimizer.betas"),
+        ("optimizer.betas=[-0.1,0.999]", "optimizer.betas"),
+        ("optimizer.eps=-1e-8", "optimizer.eps"),
+        ("data.val_fraction=0.001", "data.val_fraction"),
+        ("data.data_seed=-1", "data.data_seed"),
+        ("logger.timeout_s=null", "logger"),
     ],
 )
 def test_bad_values_name_the_key(override, key):

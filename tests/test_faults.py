@@ -305,3 +305,116 @@ def test_a_second_ctrl_c_exits_at_once(tmp_path):
     out = communicate(proc, timeout=30)
     assert proc.returncode == 130 and time.time() - t0 < 10, out[-3000:]
     assert "a second signal" in out and summary(tmp_path / "run")["status"] == "preempted"
+
+
+def test_resume_auto_on_a_finished_run_without_its_summary_still_answers(cfg_factory):
+    cfg = cfg_factory("trainer.max_steps=3")
+    run.run(cfg)
+    (Path(cfg.run_dir) / "summary.json").unlink()
+    value = run.main(cfg_factory("trainer.max_steps=3", "resume=auto", f"run_dir={cfg.run_dir}"))
+    assert isinstance(value, float) and 0 <= value <= 1  # val_acc1 from the checkpoint's state
+
+
+def test_a_new_lr_on_resume_is_the_lr_that_trains(cfg_factory):
+    """After a divergence a user resumes with a lower lr: the schedule goes on at that base, as
+    a run started with it would be at the same step (not at the checkpoint's old lr)."""
+    first = cfg_factory("trainer.max_steps=4", "trainer.log_every=4")
+    run.run(first)
+    run.run(
+        cfg_factory(
+            "trainer.max_steps=8",
+            "trainer.log_every=4",
+            "optimizer.lr=5e-4",
+            "resume=auto",
+            f"run_dir={first.run_dir}",
+        )
+    )
+    fresh = cfg_factory("trainer.max_steps=8", "trainer.log_every=4", "optimizer.lr=5e-4")
+    run.run(fresh)
+
+    def lr_at(d, step):
+        return next(
+            r["train/lr"]
+            for r in local.read_jsonl(Path(d) / "metrics.jsonl")
+            if r.get("step") == step and "train/lr" in r
+        )
+
+    assert lr_at(first.run_dir, 8) == pytest.approx(lr_at(fresh.run_dir, 8), rel=1e-9)
+
+
+def test_resume_from_this_run_dir_with_overwrite_is_refused_and_deletes_nothing(cfg_factory):
+    cfg = cfg_factory("trainer.max_steps=2")
+    run.run(cfg)
+    last = Path(cfg.run_dir) / "checkpoints" / "last.pt"
+    with pytest.raises(ConfigError, match="overwrite would delete the checkpoint"):
+        run.run(
+            cfg_factory(
+                "trainer.max_steps=4",
+                f"resume={cfg.run_dir}",
+                "overwrite=true",
+                f"run_dir={cfg.run_dir}",
+            )
+        )
+    assert last.exists()
+
+
+def test_overwrite_leaves_what_no_run_made(cfg_factory, tmp_path):
+    d = tmp_path / "mine"
+    (d / "checkpoints").mkdir(parents=True)
+    (d / "checkpoints" / "my_model.pt").write_text("not mixprec's")
+    (d / "wandb").mkdir()
+    (d / "wandb" / "notes.txt").write_text("mine")
+    run.run(cfg_factory("trainer.max_steps=2", "overwrite=true", f"run_dir={d}"))
+    assert (d / "checkpoints" / "my_model.pt").exists() and (d / "wandb" / "notes.txt").exists()
+
+
+def test_a_run_killed_before_its_first_checkpoint_restarts_without_duplicate_rows(cfg_factory):
+    cfg = cfg_factory("trainer.max_steps=4")
+    d = Path(cfg.run_dir)
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text('{"step": 1, "train/loss": 2.3}\n')  # what it had logged
+    run.run(cfg_factory("trainer.max_steps=4", "resume=auto", f"run_dir={d}"))
+    steps = [r["step"] for r in local.read_jsonl(d / "metrics.jsonl") if "train/loss" in r]
+    assert steps == sorted(set(steps)) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ("data.val_fraction=0.3", r"other data \(data.val_fraction 0.2 -> 0.3\)"),
+        (
+            "scheduler=constant",
+            r"another scheduler \(scheduler=cosine; this run has scheduler=constant\)",
+        ),
+    ],
+)
+def test_a_resume_into_other_data_or_another_schedule_is_named(cfg_factory, change, needle):
+    cfg = cfg_factory("trainer.max_steps=2")
+    run.run(cfg)
+    with pytest.raises(CheckpointError, match=needle):
+        run.run(cfg_factory("trainer.max_steps=4", change, "resume=auto", f"run_dir={cfg.run_dir}"))
+
+
+def test_a_checkpoint_with_another_loop_state_is_a_checkpoint_error(cfg_factory):
+    cfg = cfg_factory("trainer.max_steps=2")
+    run.run(cfg)
+    last = Path(cfg.run_dir) / "checkpoints" / "last.pt"
+    blob = torch.load(last, weights_only=True)
+    blob["state"]["renamed_in_another_version"] = blob["state"].pop("attempts")
+    torch.save(blob, last)
+    with pytest.raises(CheckpointError, match="loop state does not fit"):
+        run.run(cfg_factory("trainer.max_steps=4", "resume=auto", f"run_dir={cfg.run_dir}"))
+
+
+@pytest.mark.parametrize("name", ["with space", "ünïcode"])
+def test_the_continue_command_survives_odd_run_dirs(tmp_path, name):
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from mixprec import messages
+
+    d = tmp_path / name
+    args = shlex.split(messages.resume_command(d))[2:]  # as the shell hands them to train.py
+    parsed = OverridesParser.create().parse_overrides(args)
+    assert {o.key_or_group: o.value() for o in parsed}["hydra.run.dir"] == str(d)

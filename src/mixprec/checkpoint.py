@@ -142,6 +142,29 @@ def check_fits(blob: dict, path: Path, run: dict) -> None:
         )
 
 
+def check_config(blob: dict, path: Path, run: dict) -> None:
+    """The resumed run must train what the checkpoint trained: the same optimizer and schedule
+    (named as such, not as a mismatch of their states) and the same data (a moved `data.root`
+    is fine; another split or shape would continue from a position in other data)."""
+    saved = blob.get("config") or {}
+    for group in ("optimizer", "scheduler"):
+        was, now = (saved.get(group) or {}).get("name"), (run.get(group) or {}).get("name")
+        if was and now and was != now:
+            raise CheckpointError(
+                f"checkpoint {path} was written with another {group} ({group}={was}; this run "
+                f"has {group}={now}); resume with {group}={was}, or start a new run without "
+                "resume"
+            )
+    was, now = saved.get("data") or {}, run.get("data") or {}
+    differ = sorted(k for k in set(was) | set(now) if k != "root" and was.get(k) != now.get(k))
+    if was and differ:
+        what = ", ".join(f"data.{k} {was.get(k)!r} -> {now.get(k)!r}" for k in differ)
+        raise CheckpointError(
+            f"checkpoint {path} was written for other data ({what}); the restored position "
+            "in the data would not match. Resume with the same data, or start a new run"
+        )
+
+
 def restore(blob: dict, path: Path, learner) -> dict:
     """Load every piece back into the learner; returns the saved loop state (a dict)."""
     model_name = (blob["config"].get("model") or {}).get("name", "?")
@@ -174,7 +197,7 @@ def restore(blob: dict, path: Path, learner) -> dict:
         )
     elif scaler.is_enabled():
         _load(path, "scaler", lambda: scaler.load_state_dict(blob["scaler"]), "bad scaler state")
-    set_rng_state(blob["rng"])
+    _load(path, "rng", lambda: set_rng_state(blob["rng"]), "is not the RNG state mixprec writes")
     return blob["state"]
 
 

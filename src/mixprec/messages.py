@@ -3,6 +3,7 @@ numbers, where its files are) and the exact next command or advice."""
 
 from __future__ import annotations
 
+import re
 import shlex
 import signal
 import sys
@@ -35,8 +36,16 @@ def resume_command(run_dir: Path) -> str:
         for o in launch.task_overrides()
         if not o.startswith(("resume=", "hydra.run.dir=", "hydra.sweep.", "hydra/launcher"))
     ]
-    args = [*keep, "resume=auto", f"hydra.run.dir={run_dir}"]
+    args = [*keep, "resume=auto", f"hydra.run.dir={hydra_value(str(run_dir))}"]
     return " ".join(["python", Path(sys.argv[0]).name or "train.py", *map(shlex.quote, args)])
+
+
+def hydra_value(value: str) -> str:
+    """A value as Hydra's override parser reads it: plain where it may be, else quoted (a path
+    with spaces or non-ASCII characters)."""
+    if re.fullmatch(r"[A-Za-z0-9_/.\-:+@~]+", value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def oom_advice(p) -> str:

@@ -66,10 +66,17 @@ class OptimizerConfig:
         one_of("optimizer.scale_lr", self.scale_lr, LR_SCALING)
         check(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, ">= 0")
         check(
-            self.betas is None or len(self.betas) == 2,
+            self.betas is None or (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)),
             "optimizer.betas",
             self.betas,
-            "a list of two floats",
+            "a list of two floats in [0, 1)",
+        )
+        check(self.eps is None or self.eps > 0, "optimizer.eps", self.eps, "> 0")
+        check(
+            self.momentum is None or 0 <= self.momentum < 1,
+            "optimizer.momentum",
+            self.momentum,
+            "in [0, 1)",
         )
         check(
             not (self.fused and self.foreach),
@@ -94,16 +101,16 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _only_its_keys("scheduler", self, SCHEDULE_KEYS)
-        ranges = {
-            "warmup_fraction": (0, 1, "in [0, 1)"),
-            "warmup_start": (0, 1, "in (0, 1]"),
-            "min_lr_ratio": (0, 1, "in [0, 1]"),
-            "gamma": (0, 1, "in (0, 1]"),
-            "pct_start": (0, 1, "in (0, 1)"),
+        ranges = {  # the interval each message states is the one checked
+            "warmup_fraction": (lambda v: 0 <= v < 1, "in [0, 1)"),
+            "warmup_start": (lambda v: 0 < v <= 1, "in (0, 1]"),
+            "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+            "gamma": (lambda v: 0 < v <= 1, "in (0, 1]"),
+            "pct_start": (lambda v: 0 < v < 1, "in (0, 1)"),
         }
-        for key, (lo, hi, text) in ranges.items():
+        for key, (ok, text) in ranges.items():
             v = getattr(self, key)
-            check(v is None or lo <= v <= hi, f"scheduler.{key}", v, text)
+            check(v is None or ok(v), f"scheduler.{key}", v, text)
         check(
             self.warmup_steps is None or self.warmup_steps >= 0,
             "scheduler.warmup_steps",
@@ -215,3 +222,17 @@ _DECAYS = {
     "step": lambda scfg, step, steps: scfg.gamma ** (step // scfg.step_size),
     "constant": lambda scfg, step, steps: 1.0,
 }
+
+
+def rebase_lr(scheduler: LRScheduler, optimizer: torch.optim.Optimizer, lr: float) -> bool:
+    """A resumed run whose lr differs from the checkpoint's: the schedule goes on from its step
+    with `lr` as its base, so what trains is what the log, summary and W&B say. Returns whether
+    it changed anything; a schedule that cannot take a new base (onecycle) is refused."""
+    if all(math.isclose(b, lr, rel_tol=1e-9) for b in scheduler.base_lrs):
+        return False
+    if not isinstance(scheduler, LambdaLR):
+        raise ValueError("scheduler=onecycle plans its lr from the start; it cannot take a new lr")
+    scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
+    return True

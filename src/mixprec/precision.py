@@ -82,7 +82,12 @@ class ScalerConfig:
     guard_bn_stats: bool = MISSING  # undo BatchNorm's running-stat update of an overflowing forward
 
     def __post_init__(self) -> None:
-        check(self.init_scale > 0, "scaler.init_scale", self.init_scale, "> 0")
+        check(
+            0 < self.init_scale <= 2.0**64,
+            "scaler.init_scale",
+            self.init_scale,
+            "in (0, 2^64] (fp32 holds up to 2^128: a larger scale leaves no room for the loss)",
+        )
         check(self.growth_factor > 1.0, "scaler.growth_factor", self.growth_factor, "> 1.0")
         check(
             0.0 < self.backoff_factor < 1.0,

@@ -27,6 +27,8 @@ from . import (
     launch,
     loop,
     messages,
+    metrics,
+    optim,
     perf,
     rundir,
     sinks,
@@ -34,7 +36,7 @@ from . import (
     sweep,
 )
 from .config import validate
-from .errors import Diverged, MixprecError, OutOfMemory, Preempted
+from .errors import CheckpointError, Diverged, MixprecError, OutOfMemory, Preempted
 from .ledger import Hooks, model_tensors
 from .models import unwrap
 from .safety import DivergenceGuard, StopSignals
@@ -152,12 +154,21 @@ class Session:
             log.info(
                 "resume=auto: no checkpoint in %s yet; starting from scratch", self.ckpt.parent
             )
+            for name in ("metrics.jsonl", "summary.json"):  # a run killed before its first
+                (p.run_dir / name).unlink(missing_ok=True)  # checkpoint: its rows start over
         if found is None:
             return None
         self.found, blob = found, checkpoint.load(found)
         checkpoint.check_fits(blob, found, p.layout.as_dict())
+        checkpoint.check_config(blob, found, self.resolved)
         saved = checkpoint.restore(blob, found, p.learner)
-        self.state = loop.TrainState.restored(saved, p.layout.as_dict())
+        try:
+            self.state = loop.TrainState.restored(saved, p.layout.as_dict())
+        except TypeError as e:  # another mixprec version's loop state
+            raise CheckpointError(
+                f"checkpoint {found}: its loop state does not fit this mixprec ({e})"
+            ) from None
+        self._apply_lr(found)
         if self._continues_own_run():  # a run from another run's checkpoint is a new run
             self.state_at_resume = self.state.elapsed_s
         log.info(
@@ -169,6 +180,20 @@ class Session:
         )
         return blob
 
+    def _apply_lr(self, found: Path) -> None:
+        """A new optimizer.lr (or batch) on resume: the schedule continues at the new base."""
+        learner = self.p.learner
+        try:
+            changed = optim.rebase_lr(learner.scheduler, learner.optimizer, self.p.lr)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {found}: {e}; resume with its lr") from None
+        if changed:
+            log.warning(
+                "resume: the lr is now %.4g; the schedule goes on from step %d at that base",
+                self.p.lr,
+                self.state.step,
+            )
+
     def _already_done(self) -> dict:
         path = self.p.run_dir / "summary.json"
         log.info(
@@ -179,7 +204,14 @@ class Session:
             path,
         )
         self.p.data.close()
-        return json.loads(path.read_text()) if path.exists() else {"status": "completed"}
+        if path.exists():
+            return json.loads(path.read_text())
+        return summary.make(  # a finished run whose summary.json went missing: from its state
+            status="completed",
+            precision=self.p.config.precision.name,
+            steps=self.state.step,
+            **{"val_acc1": None, **{metrics.summary_name(k): v for k, v in self.state.val.items()}},
+        )
 
     def _sinks(self, blob: dict | None) -> list:
         """The logger's sinks; a run that continues this run dir's own checkpoint continues

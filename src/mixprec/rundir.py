@@ -24,7 +24,7 @@ from . import files
 from .errors import ConfigError, RunDirBusy
 
 log = logging.getLogger(__name__)
-RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints")
+RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints/last.pt")  # what marks a mixprec run
 DIAGNOSE_FILES = ("diagnose.md", "diagnose.json", "loss_scale.png")
 
 
@@ -98,19 +98,42 @@ def prepare(run_dir: Path, resume: str | None, overwrite: bool) -> None:
     an empty run dir or overwrite=true."""
     if not holds_a_run(run_dir) or resume == "auto":
         return
+    if overwrite and resume and _inside(Path(resume).expanduser(), run_dir):
+        raise ConfigError(
+            f"resume={resume} with overwrite=true: overwrite would delete the checkpoint this run "
+            "resumes from. Continue the run with resume=auto, or start it over with "
+            "overwrite=true and no resume"
+        )
     if not overwrite:
         raise ConfigError(
             f"run dir {run_dir} already holds a run; continue it with "
             f"resume=auto, start it over with overwrite=true, or choose another "
             "hydra.run.dir"
         )
+    remove_run(run_dir)
+    log.warning("overwrite=true: removed the previous run's files from %s", run_dir)
+
+
+def remove_run(run_dir: Path) -> None:
+    """Remove what a run left in its run dir (and nothing else that lives there)."""
     for name in made_by_a_run():
         path = run_dir / name
-        if path.is_dir():
+        if name == "checkpoints" and path.is_dir():  # ours only: last.pt and step_*.pt
+            for ckpt in [path / "last.pt", *path.glob("step_*.pt")]:
+                ckpt.unlink(missing_ok=True)
+            if not any(path.iterdir()):
+                path.rmdir()
+        elif path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
-    log.warning("overwrite=true: removed the previous run's files from %s", run_dir)
+
+
+def _inside(path: Path, run_dir: Path) -> bool:
+    try:
+        return path.resolve().is_relative_to(run_dir.resolve())
+    except OSError:
+        return False
 
 
 class Journal:

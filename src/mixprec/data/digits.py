@@ -27,7 +27,13 @@ class Config:
     data_seed: int = MISSING  # the split does not move with `seed`
 
     def __post_init__(self) -> None:
-        check(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "in (0, 1)")
+        check(
+            0.01 <= self.val_fraction <= 0.9,
+            "data.val_fraction",
+            self.val_fraction,
+            "in [0.01, 0.9] (a stratified split needs every class on both sides)",
+        )
+        check(self.data_seed >= 0, "data.data_seed", self.data_seed, "an int >= 0")
 
 
 def spec(cfg: Config) -> tuple[int, tuple[int, ...]]:
