@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -97,6 +98,7 @@ class StopSignals:
     there before (submitit's, which requeues the job)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
+    SAME_STOP_S = 0.5  # a copy of the first signal this soon is the same stop, not a second
 
     def __init__(self, grace_s: float = 25.0, on_forced: Callable[[int], None] = lambda s: None):
         self.grace_s, self.on_forced = grace_s, on_forced
@@ -123,8 +125,10 @@ class StopSignals:
         self.received = self.received or signum  # the loop acts at the next step boundary
 
     def _watch(self) -> None:
-        """Runs beside training: the first signal starts the grace, a second one ends it."""
-        seen = 0
+        """Runs beside training: the first signal starts the grace, a second one ends it. One
+        stop can arrive twice at once: GNU `timeout` signals its child and then the child's
+        whole process group, so a copy of the first signal within SAME_STOP_S is the same stop."""
+        first: tuple[int, float] | None = None
         while True:
             try:
                 data = self._wake[0].recv(64)
@@ -133,9 +137,12 @@ class StopSignals:
             if not data:  # closed by __exit__
                 return
             for signum in (s for s in data if s in self.SIGNALS):
-                seen += 1
-                if seen > 1:
+                now = time.monotonic()
+                if first is not None:
+                    if signum == first[0] and now - first[1] < self.SAME_STOP_S:
+                        continue
                     self._force(signum, "a second signal")
+                first = (signum, now)
                 grace = threading.Timer(
                     self.grace_s,
                     self._force_unless_acked,
@@ -165,7 +172,9 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         self._acked.set()
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            # the signal that stopped the run: a late copy of it (GNU timeout sends two) must
+            # not raise KeyboardInterrupt in the exit path; forward() still hands it on
+            signal.signal(s, signal.SIG_IGN if s == self.received else handler)
         if self._wake is not None:
             signal.set_wakeup_fd(self._old_fd)
             self._wake[0].shutdown(socket.SHUT_RDWR)  # wakes the watcher's recv: it returns
