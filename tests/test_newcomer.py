@@ -173,3 +173,53 @@ def test_help_shows_the_defaults_the_config_has():
     )
     assert "trainer.clip_grad_norm=None (null: off)" in proc.stdout  # not an example value
     assert "batch=64" in proc.stdout and "logger=wandb|tensorboard|none" in proc.stdout
+
+
+def test_the_report_says_how_much_each_rate_moved_and_when_a_ratio_is_noise():
+    from mixprec import report
+    from mixprec.report_runs import spread
+
+    def run_row(name: str, precision: str, windows: list[float]) -> dict:
+        curves = [{"step": i, "perf/samples_per_s": w} for i, w in enumerate([1.0, *windows])]
+        return {
+            "run": name,
+            "precision": precision,
+            "status": "completed",
+            "batch": 64,
+            "samples_per_s": sum(windows) / len(windows),
+            "curves": curves,
+            "samples_per_s_spread": spread(curves),
+            "device": "cpu",
+            "memory": "process RSS",
+            "overrides": [f"precision={precision}"],
+        }
+
+    steady = run_row("fp32", "fp32", [100.0, 101.0, 99.0, 100.0])
+    noisy = run_row("bf16", "bf16", [60.0, 180.0, 90.0, 150.0])  # 1.2x, but it moves by ±50 %
+    table = report.build_table([steady, noisy])
+    assert spread(steady["curves"]) < 0.01  # the first (warm-up) window is left out
+    assert table[1]["speedup_vs_fp32"] == pytest.approx(1.2) and table[1]["within_noise"]
+    assert table[0]["within_noise"] is None  # the baseline is not compared with itself
+    text = report.notes([{**r, **t} for r, t in zip([steady, noisy], table)]) + report.markdown(
+        table
+    )
+    assert "ran on a CPU" in text and "process RSS" in text
+    assert "mfu" not in text.split("\n|")[1]  # a column empty in every row is not shown
+
+
+def test_a_sweep_prints_its_table_once_and_ends_with_its_result(tmp_path):
+    proc = run_train(
+        [
+            "-m",
+            "precision=fp32,bf16",
+            "trainer.max_steps=2",
+            "logger=wandb",
+            f"hydra.sweep.dir={tmp_path}",
+        ]
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    out = proc.stdout + proc.stderr
+    header = [line for line in out.splitlines() if line.startswith("run ") and "status" in line]
+    assert len(header) == 1  # the table once, when the sweep ends (not after every job)
+    assert not any(line.startswith("wandb:") for line in out.splitlines())  # W&B is quiet
+    assert out.strip().splitlines()[-1].startswith("wrote ")  # the report is the last word
