@@ -15,7 +15,7 @@ from omegaconf import MISSING
 from timm.optim import create_optimizer_v2
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 
-from .errors import ConfigError, check, one_of
+from .errors import CheckpointError, ConfigError, check, one_of
 
 log = logging.getLogger(__name__)
 
@@ -236,3 +236,16 @@ def rebase_lr(scheduler: LRScheduler, optimizer: torch.optim.Optimizer, lr: floa
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
         group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
     return True
+
+
+def continue_at_lr(learner, lr: float, checkpoint, step: int) -> None:
+    """A resumed run with a new lr (after a divergence, say): the restored schedule continues at
+    that base, and says so; a schedule that cannot is a checkpoint error naming the file."""
+    try:
+        changed = rebase_lr(learner.scheduler, learner.optimizer, lr)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {checkpoint}: {e}; resume with its lr") from None
+    if changed:
+        log.warning(
+            "resume: the lr is now %.4g; the schedule goes on from step %d at that base", lr, step
+        )

@@ -27,7 +27,6 @@ from . import (
     launch,
     loop,
     messages,
-    metrics,
     optim,
     perf,
     rundir,
@@ -168,7 +167,7 @@ class Session:
             raise CheckpointError(
                 f"checkpoint {found}: its loop state does not fit this mixprec ({e})"
             ) from None
-        self._apply_lr(found)
+        optim.continue_at_lr(p.learner, p.lr, found, self.state.step)
         if self._continues_own_run():  # a run from another run's checkpoint is a new run
             self.state_at_resume = self.state.elapsed_s
         log.info(
@@ -179,20 +178,6 @@ class Session:
             self.state.batch_in_epoch,
         )
         return blob
-
-    def _apply_lr(self, found: Path) -> None:
-        """A new optimizer.lr (or batch) on resume: the schedule continues at the new base."""
-        learner = self.p.learner
-        try:
-            changed = optim.rebase_lr(learner.scheduler, learner.optimizer, self.p.lr)
-        except ValueError as e:
-            raise CheckpointError(f"checkpoint {found}: {e}; resume with its lr") from None
-        if changed:
-            log.warning(
-                "resume: the lr is now %.4g; the schedule goes on from step %d at that base",
-                self.p.lr,
-                self.state.step,
-            )
 
     def _already_done(self) -> dict:
         path = self.p.run_dir / "summary.json"
@@ -206,12 +191,7 @@ class Session:
         self.p.data.close()
         if path.exists():
             return json.loads(path.read_text())
-        return summary.make(  # a finished run whose summary.json went missing: from its state
-            status="completed",
-            precision=self.p.config.precision.name,
-            steps=self.state.step,
-            **{"val_acc1": None, **{metrics.summary_name(k): v for k, v in self.state.val.items()}},
-        )
+        return summary.of_state(self.state, self.p.config.precision.name)  # it went missing
 
     def _sinks(self, blob: dict | None) -> list:
         """The logger's sinks; a run that continues this run dir's own checkpoint continues

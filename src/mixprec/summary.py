@@ -82,6 +82,14 @@ def of_session(s) -> dict:
     )
 
 
+def of_state(state, precision: str) -> dict:
+    """A finished run's summary from its checkpoint's loop state (its summary.json is gone)."""
+    val = {metrics.summary_name(k): v for k, v in state.val.items()}
+    return make(
+        status="completed", precision=precision, steps=state.step, **{"val_acc1": None, **val}
+    )
+
+
 def _loss_scale(prec) -> float | None:
     try:
         return prec.loss_scale() if prec.scaling else None
