@@ -19,7 +19,7 @@ from typing import Any
 
 from . import metrics, summary
 from .report_plots import draw
-from .report_runs import find_runs, read_run, read_runs  # noqa: F401  (sweep.py reads them here)
+from .report_runs import find_runs, read_runs
 from .sinks import wandb as wandb_sink
 
 log = logging.getLogger(__name__)

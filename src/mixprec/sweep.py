@@ -9,7 +9,8 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from .report import find_runs, read_run, write
+from .report import write
+from .report_runs import find_runs, read_run
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import signal
 from contextlib import contextmanager
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -71,8 +71,8 @@ def signals_held():
 
 class Seeded(Dataset):
     """Indexed by (epoch, index): the wrapped dataset's sample, with torch's and Python's RNG set
-    from (seed, epoch, index) for its transforms, and put back afterwards (in the training
-    process itself, with no workers, the run's own RNG must not move)."""
+    from (seed, epoch, index) for its transforms. In the training process itself (no workers)
+    the RNG is put back afterwards: the run's own RNG must not move."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset, self.seed = dataset, seed
@@ -82,8 +82,12 @@ class Seeded(Dataset):
 
     def __getitem__(self, key: tuple[int, int]):
         epoch, index = key
-        torch_state, py_state = torch.get_rng_state(), random.getstate()
         own = ((self.seed * 1_000_003 + epoch) * 10_000_019 + index) % 2**63
+        if get_worker_info() is not None:  # a worker's RNG serves nothing else: just seed it
+            torch.manual_seed(own)
+            random.seed(own)
+            return self.dataset[index]
+        torch_state, py_state = torch.get_rng_state(), random.getstate()
         torch.manual_seed(own)
         random.seed(own)
         try:
