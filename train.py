@@ -7,6 +7,7 @@ import hydra
 from omegaconf import DictConfig
 
 from mixprec.config import compose_config, register_configs
+from mixprec.launch import config_errors_exit_2
 from mixprec.run import main as run_main
 
 register_configs()
@@ -21,4 +22,5 @@ if __name__ == "__main__":
     if int(os.environ.get("RANK", "0")) > 0:  # torchrun's other ranks: the same config, composed
         run_main(compose_config(sys.argv[1:]))  # without a run dir (rank 0's is broadcast)
     else:
-        main()
+        with config_errors_exit_2():  # Hydra's own config errors (seed=1.5) exit 2, as mixprec's do
+            main()

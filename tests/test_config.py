@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-from mixprec import config, hardware, models, precision
+from mixprec import config, hardware, models, precision, run
 from mixprec.config import TrainConfig, validate
 from mixprec.errors import ConfigError
 
@@ -194,7 +195,7 @@ def test_cuda_profile_without_a_gpu_is_a_clear_error(monkeypatch):
     [
         (["batch=0"], 2, "batch=0 is not allowed; batch must be an int >= 1 or auto"),
         (["model.name=resnet5O"], 2, "did you mean"),
-        (["precision=fp16"], 1, "Available options in 'precision'"),
+        (["precision=fp16"], 2, "Available options in 'precision'"),  # Hydra's: 2 as well
     ],
 )
 def test_cli_rejects_bad_input_before_training(tmp_path, args, code, needle):
@@ -237,3 +238,20 @@ def test_an_emulated_card_keeps_its_memory_but_mfu_uses_the_real_gpus_peaks(monk
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
     unknown = hardware.resolve(group("hardware", "rtx3090"), profiles)
     assert unknown.peak_tflops == {}  # no known peaks: MFU null rather than wrong
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_hardware_device_cuda_without_a_gpu_is_refused_not_ignored(cfg_factory):
+    with pytest.raises(ConfigError, match=r"hardware.device=cuda needs a CUDA GPU"):
+        run.run(cfg_factory("hardware=auto", "hardware.device=cuda"))
+    s = run.run(cfg_factory("hardware=auto", "hardware.device=cpu", "trainer.max_steps=1"))
+    assert s["device"] == "cpu"
+
+
+def test_an_unknown_model_kwarg_is_a_config_error_and_a_known_one_applies(cfg_factory):
+    with pytest.raises(ConfigError, match=r"model.kwargs=\{'depth': 3\}.*unexpected keyword"):
+        run.run(cfg_factory("+model.kwargs.depth=3"))
+    cfg = cfg_factory("+model.kwargs.width=8", "trainer.max_steps=1")
+    run.run(cfg)
+    saved = torch.load(f"{cfg.run_dir}/checkpoints/last.pt", weights_only=True)["model"]
+    assert saved["features.0.weight"].shape[0] == 8

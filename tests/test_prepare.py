@@ -98,3 +98,39 @@ def test_bad_input_exits_with_its_code_and_writes_nothing(tmp_path, caplog):
     record = json.loads((dst / "prepared.json").read_text())
     assert record["images"] == 24 and len(record["skipped"]) == 1
     assert "broken.jpg" in record["skipped"][0]
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_dst_inside_src_is_refused_and_src_is_left_as_it_was(tmp_path, caplog):
+    src = folder(tmp_path / "src")
+    before = _tree(src)
+    for dst in (src / "prepared", src / "train" / "copy", src):
+        assert prepare.main([str(src), str(dst), "--workers", "1"]) == 2
+        assert "inside" in caplog.text and not dst.joinpath("prepared.json").exists()
+    assert prepare.main([str(src / "train" / ".."), str(src / "val" / ".." / "copy")]) == 2
+    # and SRC inside DST's would-be tree: DST an ancestor of SRC
+    assert prepare.main([str(src), str(tmp_path)]) == 2
+    assert _tree(src) == before and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_symlink_loop_or_a_dangling_symlink_is_an_unreadable_image(tmp_path, caplog):
+    src, dst = folder(tmp_path / "src"), tmp_path / "dst"
+    cat = src / "train" / "cat"
+    (cat / "loop_a.jpg").symlink_to(cat / "loop_b.jpg")
+    (cat / "loop_b.jpg").symlink_to(cat / "loop_a.jpg")
+    cmd = [sys.executable, "-m", "mixprec.prepare", str(src), str(dst), "--workers", "2"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    assert p.returncode == 4 and "loop_" in p.stderr and "Traceback" not in p.stderr
+    assert not dst.exists()
+    for f in ("loop_a.jpg", "loop_b.jpg"):
+        (cat / f).unlink()
+    (cat / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    assert prepare.main([str(src), str(dst), "--workers", "1"]) == 4
+    assert "gone.jpg" in caplog.text and not dst.exists()
+    assert prepare.main([str(src), str(dst), "--workers", "1", "--bad-images", "skip"]) == 0
+    assert len(json.loads((dst / "prepared.json").read_text())["skipped"]) == 1

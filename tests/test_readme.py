@@ -13,6 +13,7 @@ import re
 import shlex
 
 import pytest
+import yaml
 
 from mixprec import run
 from mixprec.errors import ConfigError
@@ -66,9 +67,16 @@ def test_every_readme_command_works_as_written(command, tmp_path):
     args = as_the_shell_passes(command)
     if "-m" in args or any(a in SWEEP_PRESETS for a in args):
         extra = TIMED if "optuna" in command else []
+        if "hydra.sweeper.params.batch" in command:  # what it shows is the quoting: 2 jobs do
+            extra = ["hydra.sweeper.params.precision=fp32"]
         proc = run_train([*args, *SHORT, *extra, f"hydra.sweep.dir={tmp_path}"], timeout=400)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
         assert (tmp_path / "report.md").exists()
+        if "optuna" in command:  # the study ran its trials and names the best parameters
+            best = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
+            assert best["best_value"] > 0
+            assert set(best["best_params"]) == {"batch", "model.channels_last", "model.compile"}
+            assert len([d for d in tmp_path.iterdir() if d.name.isdigit()]) == 2
         return
     cfg = compose_cfg([*args, *SHORT], tmp_path / "run")  # the parser train.py uses
     if GPU.search(command) or "data.root=" in command:

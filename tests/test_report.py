@@ -73,31 +73,6 @@ def test_failed_jobs_are_failed_rows_and_the_sweep_goes_on(tmp_path):
 
 
 @pytest.mark.slow
-def test_optuna_preset_runs_two_trials(tmp_path):
-    proc = run_train(
-        [
-            "experiment=optuna_throughput",
-            "hydra.sweeper.n_trials=2",
-            "model.compile=choice(false)",
-            "batch=choice(16,32)",
-            "trainer.max_steps=14",
-            "trainer.perf_warmup_steps=2",
-            "logger=none",
-            f"hydra.sweep.dir={tmp_path}",
-        ]
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import yaml
-
-    result = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
-    assert result["best_value"] > 0 and set(result["best_params"]) == {
-        "batch",
-        "model.channels_last",
-        "model.compile",
-    }
-    assert len(rows(tmp_path)) == 2
-
-
 def test_report_of_bare_dirs_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="no run directories"):
         report.write([tmp_path], to_wandb=False)

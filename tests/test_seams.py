@@ -28,6 +28,7 @@ from mixprec import (
     run,
 )
 from mixprec.config import validate
+from mixprec.errors import DiskFull
 
 from conftest import ROOT, compose_cfg, group, run_train
 
@@ -246,7 +247,7 @@ def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temp(tmp_path):
         f.write(b'{"status": ')
         raise OSError(28, "No space left on device")
 
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(DiskFull, match="no space left to write .*summary.json"):
         files.write_atomic(path, broken)
     assert json.loads(path.read_text()) == {"status": "completed"}
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]

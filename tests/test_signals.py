@@ -81,12 +81,14 @@ def reference(images, tmp_path_factory) -> Path:
     return d
 
 
-def start(args: list[str], prefix: list[str] = ()) -> subprocess.Popen:
+def start(
+    args: list[str], prefix: list[str] = (), python: list[str] = (sys.executable,)
+) -> subprocess.Popen:
     """train.py as the leader of a process group of its own (as a terminal or timeout starts
     it), so that the group can be signalled without signalling pytest."""
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [*prefix, sys.executable, str(ROOT / "train.py"), *args],
+        [*prefix, *python, str(ROOT / "train.py"), *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -149,6 +151,45 @@ def test_gnu_timeout_signals_the_group_and_the_run_checkpoints(tmp_path, images)
     args = [*base(images, steps=100000), f"hydra.run.dir={tmp_path}"]
     proc = start(args, prefix=["timeout", "--preserve-status", "-s", "TERM", "15"])
     stopped_at_a_checkpoint(tmp_path, proc, signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_gnu_timeout_foreground_signals_the_trainer_alone(tmp_path, images):
+    """`timeout --foreground` (a terminal's job control kept) signals the child only: the
+    workers never see it, and the trainer stops them itself."""
+    args = [*base(images, steps=100000), f"hydra.run.dir={tmp_path}"]
+    proc = start(args, prefix=["timeout", "--foreground", "--preserve-status", "-s", "INT", "15"])
+    stopped_at_a_checkpoint(tmp_path, proc, signal.SIGINT)
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+@pytest.mark.slow
+def test_torchrun_with_workers_signalled_as_a_group_stops_every_rank_once(tmp_path, images):
+    """SIGTERM to torchrun's process group (a terminal, `timeout`, a scheduler): the agent, both
+    ranks and their loader workers get it, and the agent sends each rank SIGTERM once more. The
+    ranks agree on one stop step, rank 0 checkpoints it, and the printed torchrun command
+    resumes to the weights of an uninterrupted torchrun run, bit for bit. (torchrun itself then
+    exits 1 with its SignalException: torch's agent, not the run, sets that code.)"""
+    run_dir, ref = tmp_path / "run", tmp_path / "ref"
+    done = start([*base(images), f"hydra.run.dir={ref}"], python=TORCHRUN)
+    out = done.communicate(timeout=300)[0]
+    assert done.returncode == 0, out[-3000:]
+    proc = start([*base(images), f"hydra.run.dir={run_dir}"], python=TORCHRUN)
+    wait_for_step(run_dir, proc, 10)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert out.count("preempted in") == 1 and "a second signal" not in out, out[-3000:]
+    assert "continue with: torchrun --nproc_per_node=2 train.py" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ckpt = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert (summary["status"], summary["exit_code"]) == ("preempted", 143)
+    assert summary["steps"] == ckpt["state"]["step"] < 30
+    again = start([*base(images), "resume=auto", f"hydra.run.dir={run_dir}"], python=TORCHRUN)
+    out = again.communicate(timeout=300)[0]
+    assert again.returncode == 0, out[-3000:]
+    assert_identical(weights(run_dir), weights(ref))
 
 
 @pytest.mark.slow

@@ -34,9 +34,9 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 TRAIN = [
     "logger=none",
     "hardware=cpu",
-    "trainer.max_steps=1200",
-    "ckpt.every_steps=100",
-    "trainer.log_every=100",
+    "trainer.max_steps=400",
+    "ckpt.every_steps=50",
+    "trainer.log_every=50",
 ]
 
 
@@ -118,21 +118,38 @@ def test_the_time_limit_signal_checkpoints_requeues_and_resumes_bit_identical(tm
     assert "Caught signal SIGUSR2" in job_logs(sweep)  # submitit's requeue, after our checkpoint
     assert "preempted" in logs and "resumed from" in logs
     assert summary(sweep / "0")["status"] == "completed"
-    assert summary(sweep / "0")["steps"] == 1200
+    assert summary(sweep / "0")["steps"] == 400
     local = run_train([*TRAIN, f"hydra.run.dir={ref}"], env_extra=ONE_THREAD)
     assert local.returncode == 0, local.stderr[-3000:]
     mine, theirs = weights(sweep / "0"), weights(ref)
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
 
-def test_scancel_leaves_a_preempted_run_with_a_checkpoint(tmp_path):
+def test_scancel_of_a_job_with_loader_workers_leaves_a_preempted_run_with_a_checkpoint(tmp_path):
+    """scancel signals every process of the job's step: the trainer and its two DataLoader
+    workers. One stop, at a checkpoint of the step it stopped at."""
+    from test_data import make_folder
+
+    images = make_folder(tmp_path / "images", n=24)
+    data = [
+        "data=imagenet",
+        f"data.root={images}",
+        "data.image_size=32",
+        "data.eval_resize=36",
+        "hardware.num_workers=2",
+        "batch=8",
+        "ckpt.every_steps=5",
+    ]
     sweep = tmp_path / "sweep"
-    launcher = launch(["hydra.launcher.timeout_min=10", *TRAIN, "trainer.max_steps=100000"], sweep)
+    args = ["hydra.launcher.timeout_min=10", *TRAIN, *data, "trainer.max_steps=100000"]
+    launcher = launch(args, sweep)
     subprocess.run(["scancel", job_training(sweep, launcher)], check=True)
     out, _ = launcher.communicate(timeout=180)
     s = summary(sweep / "0")
     assert s["status"] == "preempted" and s["exit_code"] == 143, out[-3000:]
-    assert s["checkpoint"] and Path(s["checkpoint"]).exists()
+    ckpt = torch.load(s["checkpoint"], weights_only=True)
+    assert ckpt["state"]["step"] == s["steps"]
+    assert "a second signal" not in (sweep / "0" / "train.log").read_text()
 
 
 def test_two_nodes_train_as_one_data_parallel_job(tmp_path):

@@ -58,6 +58,31 @@ def rng_state() -> dict[str, Any]:
     }
 
 
+def rng_states() -> list[dict[str, Any]]:
+    """Every rank's RNG state, by rank (rank r's dropout draws are its own): a collective that
+    every rank calls, so that a resume restores each rank's own state."""
+    import torch.distributed as dist
+
+    mine = rng_state()
+    if not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def restore_rng(saved: dict | list) -> None:
+    """This rank's state (checkpoints before per-rank states held rank 0's alone)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if isinstance(saved, dict):
+        return set_rng_state(saved)
+    if len(saved) <= rank:
+        raise ValueError(f"it holds {len(saved)} ranks' states, this is rank {rank}")
+    set_rng_state(saved[rank])
+
+
 def set_rng_state(s: dict[str, Any]) -> None:
     random.setstate((s["python_version"], tuple(s["python"]), None))
     kind, keys, pos, has_gauss, gauss = s["numpy"]
@@ -67,10 +92,11 @@ def set_rng_state(s: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def save(path: Path, learner, state, config: dict, keep: int = 1) -> Path:
+def save(path: Path, learner, state, config: dict, keep: int = 1, rngs: list | None = None) -> Path:
     """last.pt (a hard link to the newest step_N.pt) for the learner (model, optimizer, scaler,
-    scheduler) and the loop state, plus the RNG states and the config that ran. (Loggers keep
-    their own resume ids in the run dir: sinks/.)"""
+    scheduler) and the loop state, plus every rank's RNG state (`rngs`, from rng_states(); this
+    process's alone without it) and the config that ran. (Loggers keep their own resume ids in
+    the run dir: sinks/.)"""
     path.parent.mkdir(parents=True, exist_ok=True)
     blob = {
         "format": FORMAT,
@@ -79,7 +105,7 @@ def save(path: Path, learner, state, config: dict, keep: int = 1) -> Path:
         "scaler": learner.precision.scaler.state_dict(),
         "scheduler": learner.scheduler.state_dict(),
         "state": dataclasses.asdict(state),
-        "rng": rng_state(),
+        "rng": rngs or [rng_state()],
         "config": config,
     }
     step_path = path.parent / f"step_{state.step:08d}.pt"
@@ -197,7 +223,7 @@ def restore(blob: dict, path: Path, learner) -> dict:
         )
     elif scaler.is_enabled():
         _load(path, "scaler", lambda: scaler.load_state_dict(blob["scaler"]), "bad scaler state")
-    _load(path, "rng", lambda: set_rng_state(blob["rng"]), "is not the RNG state mixprec writes")
+    _load(path, "rng", lambda: restore_rng(blob["rng"]), "is not the RNG state mixprec writes")
     return blob["state"]
 
 

@@ -51,6 +51,12 @@ class OutOfMemory(MixprecError):
     exit_code, label = 7, "out of memory"
 
 
+class DiskFull(MixprecError):
+    """No space left where the run writes (a checkpoint, metrics.jsonl, summary.json)."""
+
+    exit_code, label = 8, "disk full"
+
+
 class Preempted(MixprecError):
     """A stop signal arrived; the run checkpointed (if it could) and exits 128 + the signal."""
 

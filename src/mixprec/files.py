@@ -3,16 +3,24 @@
 A reader (a resume, the report, a second process) sees the old file or the new one, never half
 of one: the bytes go to a temp file beside the target, are fsync'ed, renamed over the target, and
 the directory entry is fsync'ed too, so a power loss right after the rename keeps the new file.
-A failure on the way (a full disk) removes the temp file and leaves the target as it was.
+A failure on the way (a full disk) removes the temp file and leaves the target as it was; a
+full disk is a DiskFull error naming the file (exit 8), not a traceback.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Iterator
+
+from .errors import DiskFull
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+NEARLY_FULL = 1 << 20  # bytes: torch.save reports a full disk as a RuntimeError, so look
 
 
 def write_atomic(path: Path, write: Callable[[IO[bytes]], Any] | bytes | str) -> Path:
@@ -28,11 +36,49 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], Any] | bytes | str) ->
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        full = isinstance(e, Exception) and disk_full(e, path.parent)  # before the temp goes
         tmp.unlink(missing_ok=True)
+        if full:
+            raise no_space(path) from None
         raise
     sync_dir(path.parent)
     return path
+
+
+@contextmanager
+def space_checked(path: Path) -> Iterator[None]:
+    """A full disk while writing `path` in this block is DiskFull naming it."""
+    try:
+        yield
+    except OSError as e:
+        if disk_full(e, path.parent):
+            raise no_space(path) from None
+        raise
+
+
+def disk_full(e: BaseException, directory: Path) -> bool:
+    """An OSError that says so (ENOSPC, a quota), or any write error with the disk nearly full."""
+    chain = [e, e.__cause__, e.__context__]
+    if any(isinstance(x, OSError) and x.errno in FULL for x in chain):
+        return True
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < NEARLY_FULL
+
+
+def no_space(path: Path) -> DiskFull:
+    try:
+        st = os.statvfs(path.parent)
+        free = f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return DiskFull(
+        f"no space left to write {path} ({free}); free some space or move the run "
+        "(hydra.run.dir), then resume=auto continues from the last checkpoint"
+    )
 
 
 def link_atomic(target: Path, path: Path) -> Path:

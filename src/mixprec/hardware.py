@@ -92,6 +92,11 @@ class Profiles:
 def resolve(hw: HardwareConfig, profiles: Profiles) -> HardwareConfig:
     """Turn `auto` into a concrete profile, keeping what the user overrode (hardware.memory_gib=3
     with hardware=auto still caps memory); check that a CUDA profile has a GPU to run on."""
+    if hw.device == "cuda" and not torch.cuda.is_available():
+        asked = "hardware.device=cuda" if hw.name == "auto" else f"hardware={hw.name}"
+        raise ConfigError(
+            f"{asked} needs a CUDA GPU and none is visible; use hardware=auto or hardware=cpu"
+        )
     if hw.name == "auto" or hw.device == "auto":
         base = profiles.load("auto")
         overrides = {
@@ -100,12 +105,8 @@ def resolve(hw: HardwareConfig, profiles: Profiles) -> HardwareConfig:
             if f.name not in ("name", "device", "gpu_match")
             and getattr(hw, f.name) != getattr(base, f.name)
         }
-        return dataclasses.replace(_auto(profiles), **overrides)
-    if hw.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            f"hardware={hw.name} needs a CUDA GPU and none is visible; "
-            "use hardware=auto or hardware=cpu"
-        )
+        chosen = profiles.load("cpu") if hw.device == "cpu" else _auto(profiles)
+        return dataclasses.replace(chosen, **overrides)  # device=cpu: the CPU even with a GPU
     return _emulated(hw, profiles) if hw.device == "cuda" else hw
 
 

@@ -6,7 +6,13 @@ with no overrides)."""
 from __future__ import annotations
 
 import os
+import sys
+import traceback
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
+
+from .errors import ConfigError
 
 
 def hydra_config():
@@ -54,3 +60,22 @@ def hydra_files(cfg) -> dict[str, str]:
         "hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": hc})),
         "overrides.yaml": OmegaConf.to_yaml(OmegaConf.create(list(hc.overrides.task))),
     }
+
+
+@contextmanager
+def config_errors_exit_2() -> Iterator[None]:
+    """Hydra's own config errors (a type: `seed=1.5`; an unknown option: `precision=fp9`; an
+    override it cannot parse) exit with mixprec's config-error code, 2, not Hydra's 1. Hydra
+    prints them and calls sys.exit(1) while handling them, so the SystemExit carries the error
+    as its __context__; with HYDRA_FULL_ERROR=1 the error itself arrives."""
+    from hydra.errors import CompactHydraException
+
+    try:
+        yield
+    except SystemExit as stop:
+        if stop.code == 1 and isinstance(stop.__context__, CompactHydraException):
+            raise SystemExit(ConfigError.exit_code) from None
+        raise
+    except CompactHydraException:
+        traceback.print_exc()
+        sys.exit(ConfigError.exit_code)

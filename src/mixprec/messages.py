@@ -3,6 +3,7 @@ numbers, where its files are) and the exact next command or advice."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import signal
@@ -37,7 +38,18 @@ def resume_command(run_dir: Path) -> str:
         if not o.startswith(("resume=", "hydra.run.dir=", "hydra.sweep.", "hydra/launcher"))
     ]
     args = [*keep, "resume=auto", f"hydra.run.dir={hydra_value(str(run_dir))}"]
-    return " ".join(["python", Path(sys.argv[0]).name or "train.py", *map(shlex.quote, args)])
+    script = Path(sys.argv[0]).name or "train.py"
+    return " ".join([*launcher(), script, *map(shlex.quote, args)])
+
+
+def launcher() -> list[str]:
+    """How this process was started: python, or torchrun (one node: its process count)."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return ["python"]
+    if env.get("WORLD_SIZE") == env.get("LOCAL_WORLD_SIZE"):
+        return ["torchrun", f"--nproc_per_node={env.get('LOCAL_WORLD_SIZE')}"]
+    return ["torchrun", "<this job's torchrun options>"]  # several nodes: their rendezvous
 
 
 def hydra_value(value: str) -> str:

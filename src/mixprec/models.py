@@ -71,7 +71,7 @@ class DigitsCNN(nn.Module):
     Channel counts are multiples of 8 so the convs map onto tensor cores under fp16/bf16.
     """
 
-    def __init__(self, num_classes: int = 10, in_chans: int = 1, width: int = 32, **_):
+    def __init__(self, num_classes: int = 10, in_chans: int = 1, width: int = 32):
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(in_chans, width, 3, padding=1, bias=False),
@@ -96,15 +96,24 @@ class DigitsCNN(nn.Module):
         return self.head(x)
 
 
+# timm.create_model passes these to every entry point; the rest are the model's own arguments,
+# so an unknown `+model.kwargs.x` is a TypeError (a config error), not silently dropped
+TIMM_OWN_ARGS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
+
+
+def model_args(kwargs: dict) -> dict:
+    return {k: v for k, v in kwargs.items() if k not in TIMM_OWN_ARGS}
+
+
 @register_model
 def mixprec_digits_cnn(pretrained: bool = False, **kwargs) -> DigitsCNN:
-    return DigitsCNN(**kwargs)
+    return DigitsCNN(**model_args(kwargs))
 
 
 class DigitsMLP(nn.Module):
     """No BatchNorm, no dropout: data-parallel and single-process runs must match it exactly."""
 
-    def __init__(self, num_classes: int = 10, in_chans: int = 1, width: int = 128, **_):
+    def __init__(self, num_classes: int = 10, in_chans: int = 1, width: int = 128):
         super().__init__()
         self.net = nn.Sequential(
             nn.Flatten(),
@@ -121,7 +130,7 @@ class DigitsMLP(nn.Module):
 
 @register_model
 def mixprec_digits_mlp(pretrained: bool = False, **kwargs) -> DigitsMLP:
-    return DigitsMLP(**kwargs)
+    return DigitsMLP(**model_args(kwargs))
 
 
 def check_name(name: str) -> None:

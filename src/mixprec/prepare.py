@@ -45,8 +45,9 @@ def shrink(src: Path, dst: Path, recipe: Recipe) -> tuple[int, int, str | None]:
     """Write src's prepared version to dst: (bytes read, bytes written, error or None). A JPEG
     already small enough is copied byte for byte; any other image is resized with an antialiased
     filter (after libjpeg's DCT-domain reduction where the image is much larger) and encoded."""
-    size = src.stat().st_size
+    size = 0
     try:
+        size = src.stat().st_size  # a dangling symlink or a symlink loop fails here: unreadable
         with Image.open(src) as im:
             w, h = im.size
             scale = recipe.short_side / min(w, h)
@@ -82,7 +83,16 @@ def plan(src: Path, tmp: Path) -> list[tuple[Path, Path]]:
 
 def prepare(src: Path, dst: Path, recipe: Recipe, workers: int, progress: bool = True) -> dict:
     """Write the prepared copy of src to dst (absent before, whole after); returns its record."""
-    if dst.exists():
+    inside = [
+        (a, b) for a, b in ((dst, src), (src, dst)) if a.resolve().is_relative_to(b.resolve())
+    ]
+    if inside:
+        a, b = ("DST", "SRC") if inside[0][0] is dst else ("SRC", "DST")
+        raise ConfigError(
+            f"{a} {inside[0][0]} is inside {b} {inside[0][1]}: the copy would change its own "
+            "source; choose a DST outside SRC"
+        )
+    if dst.exists() or dst.is_symlink():
         raise ConfigError(
             f"DST {dst} exists; remove it or choose another directory (the copy "
             "is written whole or not at all)"

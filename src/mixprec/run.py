@@ -35,7 +35,7 @@ from . import (
     sweep,
 )
 from .config import validate
-from .errors import CheckpointError, Diverged, MixprecError, OutOfMemory, Preempted
+from .errors import CheckpointError, DiskFull, Diverged, MixprecError, OutOfMemory, Preempted
 from .ledger import Hooks, model_tensors
 from .models import unwrap
 from .safety import DivergenceGuard, StopSignals
@@ -141,7 +141,8 @@ class Session:
             raise
         finally:
             self._close(hooks)
-        if self.error is not None:  # an OOM: a fresh error, the failed step's memory freed
+        if self.error is not None:  # an OOM (a fresh error, the failed step's memory freed), or
+            # a summary.json that a full disk refused
             batch_size.release()
             raise self.error
         return self.summary
@@ -247,10 +248,10 @@ class Session:
 
     def _save(self, state: loop.TrainState) -> None:
         state.elapsed_s = self.wall_s  # a resumed run's wall_s counts the earlier parts too
+        rngs = checkpoint.rng_states()  # every rank's own (a collective: all ranks are here)
         if self.p.dist.main:  # one writer; every rank holds the same weights
-            checkpoint.save(
-                self.ckpt, self.p.learner, state, self.resolved, self.p.config.ckpt.keep
-            )
+            c = self.p.config
+            checkpoint.save(self.ckpt, self.p.learner, state, self.resolved, c.ckpt.keep, rngs)
 
     def _finish_healthy(self, hooks: Hooks) -> None:
         """`completed` only with finite weights, buffers and loss: a divergence inside the last
@@ -272,7 +273,13 @@ class Session:
     def _close(self, hooks: Hooks) -> None:
         self.p.data.close()  # stop loader workers now, not at interpreter exit
         self.summary = summary.of_session(self)
-        self.tracker.summary(self.summary)
+        try:
+            self.tracker.summary(self.summary)
+        except DiskFull as e:  # summary.json cannot be written: the run cannot say it completed
+            if self.error is None:
+                self.status, self.error = "failed", e
+            else:
+                log.error("summary.json could not be written either: %s", e)
         self.tracker.close(self.status)
         if self.p.config.diagnose and self.p.dist.main:
             diagnose.loss_scale_plot(self.p.run_dir)

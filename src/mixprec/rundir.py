@@ -17,6 +17,7 @@ import logging.handlers
 import os
 import shutil
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -57,19 +58,19 @@ class RunDirLock:
         previous = _read_holder(fd)
         if previous != "an unknown process":
             log.info("run dir lock: took over the lock left by %s (no longer running)", previous)
-        os.ftruncate(fd, 0)
-        os.pwrite(
-            fd,
-            json.dumps(
-                {
-                    "pid": os.getpid(),
-                    "host": socket.gethostname(),
-                    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-                }
-            ).encode(),
-            0,
-        )
         self.fd = fd
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        try:
+            with files.space_checked(self.path):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(holder).encode(), 0)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -136,6 +137,25 @@ def _inside(path: Path, run_dir: Path) -> bool:
         return False
 
 
+class LogFile(logging.FileHandler):
+    """train.log; a write it cannot make (a full disk) turns it off with one line on stderr
+    instead of a traceback per record, and the run goes on (its own writes say what failed)."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            self.failed = True
+            sys.stderr.write(
+                f"mixprec: cannot write {self.baseFilename} ({sys.exc_info()[1]}); "
+                "it stops here, the console log goes on\n"
+            )
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+
 class Journal:
     """What a run records about itself in its run dir beside its results: Hydra's files
     (`.hydra/config.yaml`, `hydra.yaml`, `overrides.yaml`) and the console log (`train.log`).
@@ -164,7 +184,7 @@ class Journal:
             for name, text in hydra_files.items():
                 files.write_atomic(run_dir / ".hydra" / name, text)
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = logging.FileHandler(run_dir / "train.log")
+        self.file = LogFile(run_dir / "train.log")
         self.file.setFormatter(
             logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
         )

@@ -28,7 +28,8 @@ class Sink:
         self.metrics = open(path, "a", buffering=1)
 
     def log(self, row: dict[str, Any]) -> None:
-        self.metrics.write(json.dumps(files.finite(row)) + "\n")
+        with files.space_checked(Path(self.metrics.name)):
+            self.metrics.write(json.dumps(files.finite(row)) + "\n")
 
     def histograms(self, values: dict[str, Any], step: int) -> None:
         scalars = {k: v for k, v in values.items() if not hasattr(v, "numpy")}
@@ -42,7 +43,10 @@ class Sink:
         files.write_json(self.run_dir / "summary.json", summary)
 
     def close(self, status: str) -> None:
-        self.metrics.close()
+        try:
+            self.metrics.close()
+        except OSError:  # its last buffered bytes on a full disk: the run already said so
+            pass
 
 
 def read_jsonl(path: Path) -> list[dict]:
