@@ -3,12 +3,16 @@
 import os
 import sys
 
-import hydra
-from omegaconf import DictConfig
+from mixprec import quick_exit
 
-from mixprec.config import compose_config, register_configs
-from mixprec.launch import config_errors_exit_2
-from mixprec.run import main as run_main
+quick_exit.install()  # first: its atexit handler runs last, then skips the interpreter teardown
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from mixprec.config import compose_config, register_configs  # noqa: E402
+from mixprec.launch import config_errors_exit_2  # noqa: E402
+from mixprec.run import main as run_main  # noqa: E402
 
 register_configs()
 
@@ -18,9 +22,19 @@ def main(cfg: DictConfig) -> float | None:
     return run_main(cfg)
 
 
-if __name__ == "__main__":
+def entry() -> None:
     if int(os.environ.get("RANK", "0")) > 0:  # torchrun's other ranks: the same config, composed
         run_main(compose_config(sys.argv[1:]))  # without a run dir (rank 0's is broadcast)
     else:
         with config_errors_exit_2():  # Hydra's own config errors (seed=1.5) exit 2, as mixprec's do
             main()
+
+
+if __name__ == "__main__":
+    try:
+        entry()
+    except SystemExit as e:
+        quick_exit.exiting_with(e.code)
+        raise
+    else:
+        quick_exit.exiting_with(0)  # an exception (a traceback, Ctrl-C) leaves the exit to Python

@@ -100,10 +100,14 @@ class StepLedger:
         if self.started is not None:  # one sync: how long compile / autotuning / capture took
             float(out.loss)
             gpu = self.hooks.meter.device.type == "cuda"
+            since_start, compiled = self.hooks.meter.first_step_done()
             log.info(
-                "first step took %.1fs (%s; warm-up keeps it out of samples/s)",
+                "first step took %.1fs, %.1fs after the process started (%s%s; warm-up keeps "
+                "it out of samples/s)",
                 time.perf_counter() - self.started,
-                "compile, cuDNN autotuning and graph capture happen here"
+                since_start,
+                f"torch.compile {compiled:.1f}s, " if compiled else "",
+                "compile, kernel tuning, cuDNN autotuning and graph capture happen here"
                 if gpu
                 else "compile, if on, happens here",
             )

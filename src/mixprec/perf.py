@@ -5,6 +5,7 @@ too few steps after its warm-up reports no number rather than a meaningless one.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from contextlib import contextmanager
 
@@ -12,6 +13,42 @@ import torch
 
 log = logging.getLogger(__name__)
 MIN_TIMED_STEPS = 10  # fewer steps after warm-up than this: samples_per_s is null
+
+
+_IMPORTED = time.monotonic()
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (the kernel's start time: imports included), or
+    since mixprec was imported where /proc is not there."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.monotonic() - _IMPORTED
+
+
+def compile_s() -> float | None:
+    """Seconds torch.compile spent so far in this process (dynamo and inductor, forward and
+    backward graphs, torch's own counter; kernel autotuning at first launch is not in it)."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        return round(calculate_time_spent().get("total_wall_time", 0.0), 2)
+    except Exception:  # a private counter: absent in another torch, the key is null
+        return None
+
+
+def tune_s() -> float | None:
+    """Seconds inductor spent tuning Triton kernels at their first launch (coordinate descent,
+    autotuning among configs): after compile_s, the other cost of a compiled first step."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except Exception:
+        return None
+    keys = [k for k in compilation_time_metrics if "coordinate_descent" in k or "autotune" in k]
+    return round(sum(sum(compilation_time_metrics[k]) for k in keys), 2)
 
 
 class Throughput:
@@ -25,6 +62,8 @@ class Throughput:
         self._paused = 0.0  # seconds spent outside training (evaluation) since warm-up
         self.steady_rate = None
         self.timed_steps = 0  # steps attempted inside the steady-state measurement
+        self.first_step_s: float | None = None  # process start -> first step done
+        self.compile_first_s: float | None = None  # compile seconds by then (the rest: eval)
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -42,6 +81,12 @@ class Throughput:
         self.samples += samples
         self._win_samples += samples
         self._win_attempts += 1
+
+    def first_step_done(self) -> tuple[float, float | None]:
+        """Record when the first step ended (the caller synchronised): (first_step_s,
+        compile_s so far)."""
+        self.first_step_s, self.compile_first_s = round(process_age_s(), 2), compile_s()
+        return self.first_step_s, self.compile_first_s
 
     def maybe_end_warmup(self, step: int) -> None:
         if self._steady is None and step >= self.warmup_steps:

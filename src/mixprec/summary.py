@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import files, hardware, metrics
+from . import files, hardware, metrics, perf
 from .errors import MixprecError
 
 CONTRACT = (
@@ -78,6 +78,10 @@ def of_session(s) -> dict:
         grad_checkpointing=c.model.grad_checkpointing,
         memory_cap_gib=p.hw.memory_gib,
         checkpoint=str(s.ckpt) if s.ckpt.exists() else None,
+        first_step_s=meter.first_step_s,
+        compile_s=perf.compile_s(),
+        compile_first_step_s=meter.compile_first_s,
+        tune_s=perf.tune_s(),
         **{metrics.summary_name(k): v for k, v in s.phases.result.items()},
     )
 
