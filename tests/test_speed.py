@@ -463,3 +463,46 @@ def test_blocks_scope_compiles_in_place_and_trains_like_eager(cfg_factory, tmp_p
                 "model.compile_mode=reduce-overhead",
             )
         )
+
+
+def test_the_warm_start_fix_keeps_a_cached_tuned_config(monkeypatch):
+    """inductor_fix's recheck (torch <= 2.11): a kernel of one config whose cache holds the
+    tuned winner keeps it marked as tuned (run() then does not tune again), and a winner the
+    saved kernel was not compiled for is compiled; a miss changes nothing."""
+    from types import SimpleNamespace as NS
+
+    from torch._inductor.runtime import triton_heuristics as th
+
+    from mixprec import inductor_fix
+
+    def cfg(x):
+        return NS(kwargs={"XBLOCK": x}, num_warps=4, num_stages=1)
+
+    monkeypatch.setattr(th, "triton_config_to_hashable", lambda c: tuple(c.kwargs.items()))
+    start = cfg(64)
+    kernel = NS(
+        compile_results=[NS(config=start)],
+        filename="k.py",
+        inductor_meta={"coordinate_descent_tuning": True},
+        is_statically_launchable=lambda: True,
+        fn=NS(fn=object()),
+        _precompile_config=lambda c: NS(config=c, compiled=True),
+    )
+    tuned_same = cfg(64)
+    tuned_same.found_by_coordesc = True
+    monkeypatch.setattr(th, "check_autotune_cache", lambda c, f, m: ([tuned_same], None, {}))
+    inductor_fix._recheck_autotune_cache(kernel, reload_kernel_from_src=None)
+    assert kernel.compile_results[0].config is start and start.found_by_coordesc
+
+    tuned_other = cfg(128)
+    tuned_other.found_by_coordesc = True
+    monkeypatch.setattr(th, "check_autotune_cache", lambda c, f, m: ([tuned_other], None, {}))
+    kernel.compile_results = [NS(config=cfg(64))]
+    inductor_fix._recheck_autotune_cache(kernel, reload_kernel_from_src=None)
+    assert kernel.compile_results[0].compiled and kernel.compile_results[0].config is tuned_other
+
+    monkeypatch.setattr(th, "check_autotune_cache", lambda c, f, m: (c, None, {}))
+    miss = cfg(32)
+    kernel.compile_results = [NS(config=miss), NS(config=cfg(16))]
+    inductor_fix._recheck_autotune_cache(kernel, reload_kernel_from_src=None)
+    assert len(kernel.compile_results) == 2 and not hasattr(miss, "found_by_coordesc")

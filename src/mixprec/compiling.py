@@ -11,6 +11,7 @@ import time
 import torch
 from torch import nn
 
+from . import inductor_fix
 from .errors import ConfigError
 from .models import ModelConfig, unwrap
 
@@ -28,6 +29,7 @@ def compiled(model: nn.Module, mcfg: ModelConfig) -> nn.Module:
                 "model.compile=false: model.compile_options %s unused", dict(mcfg.compile_options)
             )
         return model
+    inductor_fix.apply()  # torch <= 2.11: a warm start would tune every kernel again
     t0 = time.perf_counter()
     if mcfg.compile_scope == "blocks":
         blocks = compile_blocks(
