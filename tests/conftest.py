@@ -15,6 +15,8 @@ from omegaconf import DictConfig
 from mixprec.config import register_configs, validate
 
 ROOT = Path(__file__).resolve().parents[1]
+if os.environ.get("PYTEST_XDIST_WORKER"):  # make test runs -n 2 on 2 cores: two workers that
+    torch.set_num_threads(1)  # each spin 2 threads on them run several times slower
 CONF = ROOT / "conf"
 register_configs()
 # Hydra stays initialised for the whole session, as inside train.py: hardware profiles load

@@ -23,6 +23,7 @@ from . import (
     perf,
     precision,
     process,
+    tasks,
 )
 from . import data as datasets
 from . import layout as layouts
@@ -65,6 +66,7 @@ class Spec:
     num_classes: int
     input_shape: tuple[int, ...]
     batch: int
+    task: tasks.Task = tasks.CLASSIFY
 
 
 def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> Parts:
@@ -74,7 +76,8 @@ def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> 
             f"experiment={c.name} is sized for a GPU (needs_gpu=true) and this run "
             "would train on the CPU; run it on a CUDA machine, or try the "
             "pipeline on the CPU with a small shape, e.g. `needs_gpu=false "
-            "model=resnet18 data.shape=[3,32,32] batch=8 trainer.max_steps=20`"
+            "model=resnet18 data.shape=[3,32,32] batch=8 trainer.max_steps=20` (a language "
+            "model: `model=llama_tiny data.seq_len=64`)"
         )
     process.apply(process_settings(c, hw), device)
     seed_everything(c.seed + dd.rank)  # DDP copies rank 0's initial weights to every rank
@@ -97,7 +100,7 @@ def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> 
     model, optimizer = assemble(
         c,
         prec,
-        Spec(data.num_classes, data.input_shape, layout.batch),
+        Spec(data.num_classes, data.input_shape, layout.batch, data.task),
         device,
         dd,
         lr,
@@ -105,7 +108,7 @@ def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> 
     )
     plan = layouts.plan(c, len(data.train), layout)
     scheduler = optim.build_scheduler(c.scheduler, optimizer, plan.total_steps)
-    learner = loop.Learner(model, optimizer, scheduler, prec)
+    learner = loop.Learner(model, optimizer, scheduler, prec, data.task)
     parts = Parts(c, hw, dd, device, layout, data, learner, plan, lr, *counted)
     announce(parts)
     return parts
@@ -142,14 +145,13 @@ def assemble(
     parameters in the wrap, so the optimizer must come after it; torch.compile wraps the
     parallel module, as torch recommends for DDP. `inspect` sees the converted, unwrapped model
     (the FLOP count). Training and every batch=auto probe are built here."""
-    model = models.build(c.model, spec.num_classes, spec.input_shape, device)
+    model = models.build(c.model, spec.num_classes, spec.input_shape, device, spec.task)
     model = prec.convert(model)
     inspect(model)
     model = distributed.wrap(model, dd, device)
     if c.model.cuda_graphs:  # a fixed batch shape: the one every training step has
-        compiling.capture_graphs(
-            models.unwrap(model), example(c, spec.input_shape, device, spec.batch), prec
-        )
+        x = example(c, spec.input_shape, device, spec.batch, spec.num_classes, spec.task)
+        compiling.capture_graphs(models.unwrap(model), x, prec)
     model = compiling.compiled(model, c.model)
     return model, optim.build_optimizer(c.optimizer, models.unwrap(model), lr, device)
 
@@ -161,7 +163,13 @@ def _flops_and_peak(model, data, hw, prec, device) -> tuple[int | None, float | 
     if not prec.peak_tflops(hw.peak_tflops, 0.0):
         return None, None
     total, owned = perf.train_flops(
-        model, data.input_shape, data.num_classes, device, prec.autocast, set(prec.owned())
+        model,
+        data.input_shape,
+        data.num_classes,
+        device,
+        prec.autocast,
+        set(prec.owned()),
+        data.task,
     )
     return total, prec.peak_tflops(hw.peak_tflops, owned / total if total else 0.0)
 
@@ -171,16 +179,18 @@ def probes(c: TrainConfig, device: torch.device) -> tuple:
     size), built by assemble like training, but unwrapped: a probe that runs out of memory on
     one rank must not leave the others waiting in a DDP all-reduce."""
     num_classes, shape = datasets.spec(c.data)
+    task = datasets.task(c.data)
 
     def new_learner(b: int) -> loop.Learner:
         prec = new_precision(c, device)
-        spec = Spec(num_classes, shape, b)
+        spec = Spec(num_classes, shape, b, task)
         model, opt = assemble(c, prec, spec, device, distributed.Dist(), 1e-6)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-        return loop.Learner(model, opt, sched, prec)
+        return loop.Learner(model, opt, sched, prec, task)
 
     def inputs(b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return example(c, shape, device, b), torch.randint(0, num_classes, (b,), device=device)
+        x = example(c, shape, device, b, num_classes, task)
+        return x, task.targets(b, shape, num_classes, device)
 
     return new_learner, inputs
 
@@ -192,14 +202,18 @@ def audit_inputs(c: TrainConfig) -> tuple[torch.nn.Module, torch.Tensor, precisi
     process.apply(process_settings(c, hw), device)
     prec = new_precision(c, device)
     num_classes, shape = datasets.spec(c.data)
-    model = prec.convert(models.build(c.model, num_classes, shape, device))
-    return model, example(c, shape, device), prec
+    task = datasets.task(c.data)
+    model = prec.convert(models.build(c.model, num_classes, shape, device, task))
+    return model, example(c, shape, device, 2, num_classes, task), prec
 
 
-def example(c: TrainConfig, input_shape, device, n: int = 2) -> torch.Tensor:
-    """A random input batch in the model's memory format."""
+def example(
+    c: TrainConfig, input_shape, device, n: int = 2, num_classes: int = 2, task=tasks.CLASSIFY
+) -> torch.Tensor:
+    """A random input batch of the task's kind (images in the model's memory format, or
+    token ids)."""
     fmt = torch.channels_last if c.model.channels_last else torch.contiguous_format
-    return torch.randn(n, *input_shape, device=device).contiguous(memory_format=fmt)
+    return task.inputs(n, input_shape, num_classes, device, fmt)
 
 
 def seed_everything(seed: int) -> None:

@@ -36,6 +36,7 @@ class CkptConfig:
         MISSING  # write checkpoints/last.pt every N optimizer steps; null = end only
     )
     keep: int = MISSING  # how many step-numbered checkpoints to keep beside last.pt
+    at_end: bool = MISSING  # write one when the run completes (benchmark tables may not)
 
     def __post_init__(self) -> None:
         check(

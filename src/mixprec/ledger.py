@@ -213,6 +213,7 @@ class StepLedger:
             "amp/loss_scale": self.learner.precision.loss_scale(),
             "amp/skipped_steps": state.skipped_steps,
             "perf/samples_per_s": sps,
+            "perf/tokens_per_s": hooks.meter.tokens(sps),
             "perf/step_ms": step_ms,
             "perf/mfu": hooks.meter.mfu(sps),
             **hooks.memory(),
@@ -238,7 +239,9 @@ class StepLedger:
         return (
             f"step {self.state.step}/{self.plan.total_steps} loss {row['train/loss']:.4f}"
             f"{'' if finite else ' (non-finite)'} lr {row['train/lr']:.4g}{scale} "
-            f"{row['perf/samples_per_s']:.1f} samples/s {row['perf/step_ms']:.1f} ms/step "
+            f"{row['perf/samples_per_s']:.1f} samples/s "
+            + (f"{row['perf/tokens_per_s']:,.0f} tokens/s " if row["perf/tokens_per_s"] else "")
+            + f"{row['perf/step_ms']:.1f} ms/step "
             f"peak {row['mem/peak_gib']:.2f} GiB"
         )
 

@@ -13,15 +13,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import clip_grad_norm_, get_total_norm
 from torch.optim.lr_scheduler import LRScheduler
 
-from . import metrics
 from .ledger import Hooks, StepLedger
 from .precision import Precision
 from .step_guards import BatchNormGuard, StepWatch
+from .tasks import CLASSIFY, Task
 
 
 @dataclass
@@ -32,7 +31,7 @@ class Learner:
     optimizer: torch.optim.Optimizer
     scheduler: LRScheduler
     precision: Precision
-    loss_fn: Callable = F.cross_entropy
+    task: Task = CLASSIFY  # the loss and the validation metrics (tasks.py)
 
     def __post_init__(self) -> None:
         self.watch = StepWatch(self.optimizer)  # was the step taken, or skipped by GradScaler?
@@ -108,7 +107,7 @@ def train_step(
         with no_sync(model) if i < accum - 1 else nullcontext():
             stats = learner.bn_guard.snapshot()
             with prec.autocast():
-                loss = learner.loss_fn(model(x), y) / accum  # mean over the effective batch
+                loss = learner.task.loss(model(x), y) / accum  # mean over the effective batch
             prec.scaler.scale(loss).backward()  # scale up so small fp16 grads do not flush to 0
             learner.bn_guard.keep_if_finite(loss, stats)  # an fp16 overflow must not poison BN
         total = total + loss.detach()
@@ -134,23 +133,25 @@ def train_step(
 def evaluate(
     learner: Learner, batches: Iterable, reduce: Callable = lambda t, op="sum": t
 ) -> dict[str, float]:
-    """{"val/loss": mean loss, "val/acc1": top-1, ...}: the learner's loss and every validation
-    metric of the registry (metrics.py), over the whole validation set (summed over ranks)."""
-    model, extra = learner.model, metrics.evaluated()
+    """{"val/loss": mean loss, "val/acc1": top-1, ...}: the learner's loss and its task's
+    validation metrics (metrics.py), over the whole validation set (summed over ranks), mean
+    per target (an image's label, a sequence's tokens)."""
+    model, extra = learner.model, learner.task.evaluated()
     model.eval()
     sums = None
     for x, y in batches:
         with learner.precision.autocast():
             logits = model(x)
         batch = [
-            learner.loss_fn(logits.float(), y, reduction="sum"),
+            learner.task.loss(logits.float(), y, reduction="sum"),
             *(m.batch_sum(logits, y) for m in extra),
-            torch.tensor(float(len(y)), device=y.device),
+            torch.tensor(float(y.numel()), device=y.device),
         ]
         sums = torch.stack(batch) if sums is None else sums + torch.stack(batch)
     model.train()
     *totals, n = reduce(sums).tolist()
-    return {key: total / n for key, total in zip(["val/loss", *(m.key for m in extra)], totals)}
+    val = {key: total / n for key, total in zip(["val/loss", *(m.key for m in extra)], totals)}
+    return {**val, **learner.task.derived(val)}
 
 
 def train(learner: Learner, data, state: TrainState, plan: Plan, hooks: Hooks) -> TrainState:

@@ -19,7 +19,9 @@ def final_line(s) -> str:
     head = f"{sm['status']} in {sm['wall_s']:.1f}s at step {sm['steps']}/{sm['optimizer_steps']}"
     if s.status == "completed":
         sps = f"{sm['samples_per_s']:,.0f} samples/s" if sm["samples_per_s"] else "samples/s n/a"
-        acc = f"val_acc1 {sm['val_acc1']:.4f}" if sm["val_acc1"] is not None else "no evaluation"
+        if sm.get("tokens_per_s"):
+            sps = f"{sm['tokens_per_s']:,.0f} tokens/s"
+        acc = _quality(sm)
         return (
             f"{head}: {acc}, {sps}, peak {sm['peak_mem_gib']:.2f} GiB ({sm['memory']}) -> {run_dir}"
         )
@@ -28,6 +30,16 @@ def final_line(s) -> str:
         name = signal.Signals(s.error.signum).name
         return f"{head} ({name}); checkpoint: {ckpt}; continue with: {resume_command(run_dir)}"
     return f"{head} ({s.error.label if s.error else 'error'}); last checkpoint: {ckpt} -> {run_dir}"
+
+
+def _quality(sm: dict) -> str:
+    """The headline quality number: top-1, or a language model's val loss (and bits per byte)."""
+    if sm.get("val_acc1") is not None:
+        return f"val_acc1 {sm['val_acc1']:.4f}"
+    if sm.get("val_loss") is not None:
+        bpb = f" ({sm['val_bpb']:.3f} bits/byte)" if sm.get("val_bpb") is not None else ""
+        return f"val_loss {sm['val_loss']:.4f}{bpb}"
+    return "no evaluation"
 
 
 def resume_command(run_dir: Path) -> str:

@@ -34,18 +34,22 @@ class Metric:
     goal: Optional[str] = None  # max or min: a sweep may optimise it (objective=<summary name>)
     report: bool = False  # a column of report.md
     batch_sum: Optional[Callable] = None  # validation metrics: the batch's sum (mean over samples)
+    task: Optional[str] = None  # a validation metric of this task only (tasks.py), else any
 
 
 METRICS: list[Metric] = [  # the report's columns come in this order
     Metric("perf/samples_per_s", "samples_per_s", goal="max", report=True),
+    Metric("perf/tokens_per_s", "tokens_per_s", goal="max", report=True),  # language models
     Metric("mem/peak_gib", "peak_mem_gib", goal="min", report=True),
     Metric("perf/mfu", "mfu", goal="max", report=True),
     Metric("amp/skipped_steps", "skipped_steps", report=True),
     Metric("amp/loss_scale", "loss_scale", report=True),
     Metric("train/loss", "train_loss", goal="min", report=True),
-    Metric("val/acc1", "val_acc1", goal="max", report=True, batch_sum=correct(1)),
+    Metric("val/acc1", "val_acc1", goal="max", report=True, batch_sum=correct(1), task="classify"),
+    Metric("val/bpb", "val_bpb", goal="min", report=True),  # LMs: bits per byte (tasks.py)
     Metric("mem/max_batch", "max_batch", report=True),
     Metric("val/loss", "val_loss", goal="min"),  # evaluate() sums the learner's own loss
+    Metric("val/ppl", "val_ppl", goal="min"),  # LMs: exp(val/loss)
     Metric("train/lr"),
     Metric("train/grad_norm"),
     Metric("perf/step_ms"),
@@ -65,9 +69,9 @@ def objectives() -> tuple[str, ...]:
     return tuple(m.summary for m in METRICS if m.goal)
 
 
-def evaluated() -> list[Metric]:
-    """The validation metrics evaluate() computes, in order."""
-    return [m for m in METRICS if m.batch_sum is not None]
+def evaluated(task: str = "classify") -> list[Metric]:
+    """The validation metrics evaluate() computes for a task, in order."""
+    return [m for m in METRICS if m.batch_sum is not None and m.task in (None, task)]
 
 
 def keys() -> set[str]:

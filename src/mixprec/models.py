@@ -15,6 +15,7 @@ from timm.models import register_model
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
+from . import llama, tasks  # llama: registers mixprec_llama with timm
 from .errors import ConfigError, check, one_of
 from .ops import use_triton_max_pool
 
@@ -145,18 +146,23 @@ def check_name(name: str) -> None:
 
 
 def build(
-    mcfg: ModelConfig, num_classes: int, input_shape: tuple[int, int, int], device: torch.device
+    mcfg: ModelConfig,
+    num_classes: int,
+    input_shape: tuple[int, ...],
+    device: torch.device,
+    task=None,
 ) -> nn.Module:
     """The model on its device, in its memory format, materialised, with activation
     checkpointing and the Triton max-pool if asked: everything before the precision converts it
-    (build.assemble holds the order: model, precision, parallel wrap, compile, optimizer)."""
+    (build.assemble holds the order: model, precision, parallel wrap, compile, optimizer).
+    A language model gets the data's vocabulary and sequence length, an image model its
+    classes and channels; a model of the other kind is a config error."""
+    task = task or tasks.CLASSIFY
+    check_fits(mcfg.name, task)
+    shaped = {"max_seq_len": input_shape[0]} if task.name == "lm" else {"in_chans": input_shape[0]}
     try:
         model = timm.create_model(
-            mcfg.name,
-            pretrained=False,
-            num_classes=num_classes,
-            in_chans=input_shape[0],
-            **mcfg.kwargs,
+            mcfg.name, pretrained=False, num_classes=num_classes, **shaped, **mcfg.kwargs
         )
     except (TypeError, ValueError) as e:  # e.g. a model.kwargs key this model does not take
         raise ConfigError(
@@ -164,7 +170,7 @@ def build(
             f"{str(e).splitlines()[0][:200]}"
         ) from None
     model.to(device)
-    _materialise(model, mcfg.name, input_shape, device)
+    _materialise(model, mcfg.name, task.inputs(1, input_shape, num_classes, device).zero_())
     if mcfg.grad_checkpointing:
         model = enable_grad_checkpointing(model, mcfg.name)
     if mcfg.channels_last:
@@ -194,12 +200,28 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def _materialise(model: nn.Module, name: str, input_shape, device: torch.device) -> None:
+def check_fits(name: str, task) -> None:
+    """A language model needs token data, an image model images."""
+    lm = name in llama.LM_MODELS
+    if lm != (task.name == "lm"):
+        raise ConfigError(
+            f"model.name={name!r} is "
+            + (
+                "a language model and this data is images; use data=text or data=tokens"
+                if lm
+                else "an image model and this data is token sequences; use a language model "
+                "(model=llama_tiny, llama_1b, llama_8b_slice)"
+            )
+        )
+
+
+def _materialise(model: nn.Module, name: str, zeros: torch.Tensor) -> None:
     """One forward on zeros: lazy layers get their shapes before the optimizer sees the
     parameters, and a model that cannot take the data's input says so before any training."""
+    input_shape = tuple(zeros.shape[1:])
     try:
         with torch.no_grad():
-            model.eval()(torch.zeros(1, *input_shape, device=device))
+            model.eval()(zeros)
     except (RuntimeError, AssertionError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise ConfigError(

@@ -11,6 +11,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .tasks import CLASSIFY
+
 log = logging.getLogger(__name__)
 MIN_TIMED_STEPS = 10  # fewer steps after warm-up than this: samples_per_s is null
 
@@ -53,9 +55,14 @@ def tune_s() -> float | None:
 
 class Throughput:
     def __init__(
-        self, device: torch.device, warmup_steps: int, mfu=lambda samples_per_s: None
+        self,
+        device: torch.device,
+        warmup_steps: int,
+        mfu=lambda samples_per_s: None,
+        tokens_per_sample: int = 1,
     ) -> None:
         self.device, self.warmup_steps, self.mfu = device, warmup_steps, mfu
+        self.tokens_per_sample = tokens_per_sample  # a language model's sequence length
         self.samples = 0  # all samples processed (warm-up included)
         self._win_samples = self._win_attempts = 0
         self._steady = None  # (time, samples) when warm-up ended
@@ -81,6 +88,12 @@ class Throughput:
         self.samples += samples
         self._win_samples += samples
         self._win_attempts += 1
+
+    def tokens(self, samples_per_s: float | None) -> float | None:
+        """Tokens per second, for samples of several tokens (else None: not a token model)."""
+        if self.tokens_per_sample <= 1 or samples_per_s is None:
+            return None
+        return samples_per_s * self.tokens_per_sample
 
     def first_step_done(self) -> tuple[float, float | None]:
         """Record when the first step ended (the caller synchronised): (first_step_s,
@@ -136,7 +149,7 @@ def train_flops(
     device: torch.device,
     autocast,
     owned: set[str] = frozenset(),
-    batch: int = 16,
+    task=None,
 ) -> tuple[int, int]:
     """(all, in the `owned` modules) forward + backward FLOPs of one sample, counted once by
     torch.utils.flop_counter on a copy
@@ -150,20 +163,25 @@ def train_flops(
 
     from .models import unwrap
 
+    task = task or CLASSIFY
+    batch = 16 if task.name == "classify" else 1  # a sequence: its tokens are the rows
     plain = unwrap(model)
     twin = copy.deepcopy(plain).train()
-    x = torch.randn(batch, *input_shape, device=device)
-    y = torch.randint(0, num_classes, (batch,), device=device)
+    x = task.inputs(batch, input_shape, num_classes, device)
+    y = task.targets(batch, input_shape, num_classes, device)
     with FlopCounterMode(display=False) as counter:
         with autocast():
-            loss = torch.nn.functional.cross_entropy(twin(x).float(), y)
+            loss = task.loss(twin(x).float(), y)
         loss.backward()
     del twin
     prefix = len(type(plain).__name__) + 1  # counter keys: Class.name
     in_owned = sum(
         sum(ops.values()) for key, ops in counter.get_flop_counts().items() if key[prefix:] in owned
     )
-    return counter.get_total_flops() // batch, in_owned // batch
+    total = counter.get_total_flops()
+    if hasattr(plain, "flops_per_token"):  # a language model states its count (llama.py): the
+        total = plain.flops_per_token(input_shape[0]) * input_shape[0]  # counter misses CPU SDPA
+    return total // batch, in_owned // batch
 
 
 def mfu(

@@ -216,14 +216,17 @@ class Session:
         if c.diagnose:
             diagnose.on_run(
                 unwrap(p.learner.model),
-                build.example(c, p.data.input_shape, p.device),
+                build.example(c, p.data.input_shape, p.device, 2, p.data.num_classes, p.data.task),
                 p.learner.precision,
                 self.tracker,
                 p.run_dir,
             )
         peak, flops, world = p.peak_tflops, p.flops_per_sample, p.dist.world
         meter = perf.Throughput(
-            p.device, c.trainer.perf_warmup_steps, mfu=lambda sps: perf.mfu(flops, sps, peak, world)
+            p.device,
+            c.trainer.perf_warmup_steps,
+            mfu=lambda sps: perf.mfu(flops, sps, peak, world),
+            tokens_per_sample=p.data.task.tokens(p.data.input_shape),
         )
         guard = DivergenceGuard(
             p.device,
@@ -260,7 +263,8 @@ class Session:
         loss_ok = state.last_loss is None or math.isfinite(state.last_loss)
         if not (loss_ok and hooks.guard.healthy(model_tensors(learner.model))):
             raise Diverged(messages.diverged(state.step, learner.precision.on_divergence()))
-        self._save(state)
+        if self.p.config.ckpt.at_end:
+            self._save(state)
         self.status = "completed"
 
     def _forced(self, signum: int) -> None:

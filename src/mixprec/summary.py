@@ -65,6 +65,8 @@ def of_session(s) -> dict:
         loss_scale=_loss_scale(p.learner.precision),
         mfu=meter.mfu(meter.steady_rate),
         wall_s=s.wall_s,
+        tokens_per_s=meter.tokens(meter.steady_rate),
+        task=p.data.task.name,
         train_loss=st.last_loss,
         optimizer_steps=p.plan.total_steps,
         lr=p.lr,

@@ -43,9 +43,12 @@ class ReportCallback(Callback):
             log.error(
                 "config error: experiment=%s is sized for a GPU (needs_gpu=true) and no CUDA GPU "
                 "is visible, so none of its jobs can run here. Run it on a CUDA machine, or try "
-                "its jobs small on this CPU: needs_gpu=false hardware=cpu batch=8 "
-                "data.shape=[3,32,32] trainer.max_steps=20",
+                "its jobs small on this CPU: needs_gpu=false hardware=cpu batch=8 %s "
+                "trainer.max_steps=20",
                 config.get("name"),
+                "hydra.sweeper.params.model=llama_tiny data.seq_len=64"
+                if config.get("data", {}).get("name") in ("text", "tokens")
+                else "data.shape=[3,32,32]",
             )
             sys.exit(2)
 

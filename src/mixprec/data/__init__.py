@@ -18,7 +18,7 @@ from .. import schema
 from ..errors import ConfigError, nearest
 from .base import Context, Data, Workers
 
-__all__ = ["Context", "Data", "Workers", "names", "parse", "spec", "build"]
+__all__ = ["Context", "Data", "Workers", "names", "parse", "spec", "task", "build"]
 
 
 def names() -> list[str]:
@@ -53,6 +53,13 @@ def parse(node: dict) -> Any:
 def spec(cfg: Any) -> tuple[int, tuple[int, ...]]:
     """(num_classes, input shape C,H,W) without loading anything (for batch=auto's probes)."""
     return module_for(cfg).spec(cfg)
+
+
+def task(cfg: Any):
+    """What a model learns from this dataset (tasks.py): its module's TASK, else classification."""
+    from ..tasks import CLASSIFY
+
+    return getattr(module_for(cfg), "TASK", CLASSIFY)
 
 
 def build(cfg: Any, ctx: Context) -> Data:

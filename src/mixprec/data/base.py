@@ -7,6 +7,8 @@ from typing import Protocol
 
 import torch
 
+from ..tasks import CLASSIFY, Task
+
 
 class TrainLoader(Protocol):
     def __len__(self) -> int: ...
@@ -19,8 +21,9 @@ class TrainLoader(Protocol):
 class Data:
     train: TrainLoader  # len() micro-batches per epoch; set_epoch(epoch, skip) resumes part-way
     val: TrainLoader  # iterated whole, in order (no set_epoch)
-    num_classes: int
-    input_shape: tuple[int, ...]  # C, H, W
+    num_classes: int  # classes, or a language model's vocabulary
+    input_shape: tuple[int, ...]  # C, H, W; or (sequence length,) for token data
+    task: Task = CLASSIFY  # what the model learns from it (tasks.py)
 
     def close(self) -> None:
         """Stop the loaders' worker processes (see EpochLoader.close)."""

@@ -1,0 +1,109 @@
+"""Real text on every machine, with no download: the Python standard library's own source
+(every .py file under sysconfig's stdlib path, site-packages excluded), byte-level (a byte is a
+token: vocabulary 256, bits per byte = loss / ln 2). Files are split between train and val by a
+hash of their path (deterministic, and both sides see every kind of module); the log names the
+corpus, its size and its digest, since another Python version has other files."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+import sysconfig
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+from omegaconf import MISSING
+
+from ..errors import check
+from ..tasks import LanguageModel
+from .base import Context, Data
+from .sequences import TokenLoader, need_windows, on_device, unigram_nats
+
+log = logging.getLogger("mixprec.data")
+VOCAB = 256
+TASK = LanguageModel(bytes_per_token=1.0)
+
+
+@dataclass
+class Config:
+    """conf/data/text.yaml"""
+
+    name: str = MISSING
+    seq_len: int = MISSING  # tokens (bytes) per training sequence
+    val_fraction: float = MISSING  # share of the files (by path hash) held out for validation
+    epoch_sequences: int = MISSING  # training windows per epoch, drawn anew each epoch
+    val_sequences: int = MISSING  # validation windows evaluated (the same ones every run)
+    max_mb: float = MISSING  # read at most this many MB of source (files in sorted order)
+
+    def __post_init__(self) -> None:
+        check(self.seq_len >= 2, "data.seq_len", self.seq_len, "an int >= 2")
+        check(
+            0.01 <= self.val_fraction <= 0.5,
+            "data.val_fraction",
+            self.val_fraction,
+            "in [0.01, 0.5]",
+        )
+        check(self.val_sequences >= 1, "data.val_sequences", self.val_sequences, "an int >= 1")
+        check(
+            self.epoch_sequences >= 1, "data.epoch_sequences", self.epoch_sequences, "an int >= 1"
+        )
+        check(self.max_mb > 0, "data.max_mb", self.max_mb, "> 0")
+
+
+def spec(cfg: Config) -> tuple[int, tuple[int, ...]]:
+    return VOCAB, (cfg.seq_len,)
+
+
+def stdlib() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+@lru_cache(maxsize=4)
+def corpus(max_mb: float, val_fraction: float) -> tuple[np.ndarray, np.ndarray, str]:
+    """(train bytes, val bytes, a line naming the corpus)."""
+    root, budget = stdlib(), int(max_mb * 1e6)
+    train, val, size, digest = [], [], 0, hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if "site-packages" in rel or not path.is_file():
+            continue
+        data = path.read_bytes()
+        if size + len(data) > budget:
+            break
+        size += len(data)
+        digest.update(rel.encode() + data)
+        h = int.from_bytes(hashlib.sha256(rel.encode()).digest()[:4], "little") / 2**32
+        (val if h < val_fraction else train).append(data + b"\n")
+    name = (
+        f"the Python {sys.version.split()[0]} standard library's source ({root}): "
+        f"{len(train) + len(val):,} files, {size / 1e6:.1f} MB, sha256 {digest.hexdigest()[:12]}"
+    )
+    as_array = lambda parts: np.frombuffer(b"".join(parts), dtype=np.uint8)  # noqa: E731
+    return as_array(train), as_array(val), name
+
+
+def build(cfg: Config, ctx: Context) -> Data:
+    train, val, name = corpus(cfg.max_mb, cfg.val_fraction)
+    need_windows("data=text (train)", len(train), cfg.seq_len, ctx.batch, ctx.world)
+    log.info(
+        "data=text: %s; train %.1f MB, val %.1f MB; a byte is a token (vocabulary 256); "
+        "unigram baseline %.3f nats/byte (val loss of a model without context)",
+        name,
+        len(train) / 1e6,
+        len(val) / 1e6,
+        unigram_nats(val, VOCAB),
+    )
+    return Data(
+        train=TokenLoader(
+            on_device(train, ctx.device), cfg.seq_len, ctx, True, limit=cfg.epoch_sequences
+        ),
+        val=TokenLoader(
+            on_device(val, ctx.device), cfg.seq_len, ctx, shuffle=False, limit=cfg.val_sequences
+        ),
+        num_classes=VOCAB,
+        input_shape=(cfg.seq_len,),
+        task=TASK,
+    )

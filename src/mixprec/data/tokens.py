@@ -1,0 +1,107 @@
+"""Your own tokenised text, as nanoGPT's prepare scripts write it: `train.bin` and `val.bin` in
+data.root, flat arrays of token ids (uint16 for vocabularies up to 65,536, else uint32:
+data.dtype), read through a memmap. data.vocab_size is the tokenizer's vocabulary; a token id
+at or above it is a config error (checked once over both files)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+from omegaconf import MISSING
+
+from ..errors import ConfigError, check, one_of
+from ..tasks import LanguageModel
+from .base import Context, Data
+from .sequences import TokenLoader, need_windows, on_device
+
+log = logging.getLogger("mixprec.data")
+TASK = LanguageModel()  # bytes per token unknown: perplexity, no bits per byte
+
+
+@dataclass
+class Config:
+    """conf/data/tokens.yaml"""
+
+    name: str = MISSING
+    root: Optional[str] = MISSING  # the folder with train.bin and val.bin
+    dtype: str = MISSING  # uint16 or uint32: how the .bin files store a token id
+    vocab_size: int = MISSING  # the tokenizer's vocabulary (the model's input and output size)
+    seq_len: int = MISSING  # tokens per training sequence
+    epoch_sequences: int = MISSING  # training windows per epoch, drawn anew each epoch
+    val_sequences: int = MISSING  # validation windows evaluated (the same ones every run)
+
+    def __post_init__(self) -> None:
+        check(
+            self.root is not None,
+            "data.root",
+            self.root,
+            "the folder holding train.bin and val.bin",
+        )
+        one_of("data.dtype", self.dtype, ("uint16", "uint32"))
+        limit = 2**16 if self.dtype == "uint16" else 2**31
+        check(
+            2 <= self.vocab_size <= limit,
+            "data.vocab_size",
+            self.vocab_size,
+            f"in [2, {limit}] for {self.dtype}",
+        )
+        check(self.seq_len >= 2, "data.seq_len", self.seq_len, "an int >= 2")
+        check(self.val_sequences >= 1, "data.val_sequences", self.val_sequences, "an int >= 1")
+        check(
+            self.epoch_sequences >= 1, "data.epoch_sequences", self.epoch_sequences, "an int >= 1"
+        )
+
+
+def spec(cfg: Config) -> tuple[int, tuple[int, ...]]:
+    return cfg.vocab_size, (cfg.seq_len,)
+
+
+def read(cfg: Config, split: str) -> np.ndarray:
+    path = Path(cfg.root).expanduser() / f"{split}.bin"
+    if not path.is_file():
+        raise ConfigError(
+            f"data.root={cfg.root}: {path.name} not found (data=tokens needs train.bin and val.bin)"
+        )
+    size = np.dtype(cfg.dtype).itemsize
+    if path.stat().st_size % size:
+        raise ConfigError(
+            f"{path}: {path.stat().st_size} bytes is not a whole number of {cfg.dtype} "
+            "tokens (data.dtype)"
+        )
+    tokens = np.memmap(path, dtype=cfg.dtype, mode="r")
+    top = int(tokens.max()) if len(tokens) else 0
+    if top >= cfg.vocab_size:
+        raise ConfigError(
+            f"{path} holds token id {top}, outside data.vocab_size={cfg.vocab_size}: set the "
+            "tokenizer's vocabulary (or data.dtype if the file is uint32)"
+        )
+    return tokens
+
+
+def build(cfg: Config, ctx: Context) -> Data:
+    train, val = read(cfg, "train"), read(cfg, "val")
+    need_windows("data=tokens (train)", len(train), cfg.seq_len, ctx.batch, ctx.world)
+    need_windows("data=tokens (val)", len(val), cfg.seq_len, 1, 1)
+    log.info(
+        "data=tokens: %s: train %s tokens, val %s tokens (%s), vocabulary %d",
+        cfg.root,
+        f"{len(train):,}",
+        f"{len(val):,}",
+        cfg.dtype,
+        cfg.vocab_size,
+    )
+    return Data(
+        train=TokenLoader(
+            on_device(train, ctx.device), cfg.seq_len, ctx, True, limit=cfg.epoch_sequences
+        ),
+        val=TokenLoader(
+            on_device(val, ctx.device), cfg.seq_len, ctx, shuffle=False, limit=cfg.val_sequences
+        ),
+        num_classes=cfg.vocab_size,
+        input_shape=(cfg.seq_len,),
+        task=TASK,
+    )

@@ -1,0 +1,187 @@
+"""Language models: the Llama-style decoder (causal, RoPE, grouped-query attention), its FLOP
+count, the text corpus and token files, the task's metrics, and training it through train.py."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixprec import llama, run
+from mixprec.data import Context, text, tokens
+from mixprec.data.sequences import unigram_nats
+from mixprec.errors import ConfigError
+
+from conftest import group
+
+TINY = dict(num_classes=64, max_seq_len=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+
+
+def tiny(**kw) -> llama.Llama:
+    torch.manual_seed(0)
+    return llama.Llama(**{**TINY, **kw}).eval()
+
+
+def test_logits_at_a_position_do_not_depend_on_later_tokens():
+    model = tiny()
+    x = torch.randint(0, 64, (2, 32))
+    y = x.clone()
+    y[:, 20:] = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    assert a.shape == (2, 32, 64)
+    torch.testing.assert_close(a[:, :20], b[:, :20])
+    assert not torch.allclose(a[:, 20:], b[:, 20:])
+
+
+def test_rope_makes_attention_scores_depend_on_relative_position_only():
+    cos, sin = llama.rope_tables(8, 64, 10000.0)
+    q, k = torch.randn(8), torch.randn(8)
+
+    def score(i: int, j: int) -> torch.Tensor:
+        at = lambda v, p: llama.apply_rope(v.expand(1, 1, p + 1, 8), cos, sin)[0, 0, p]  # noqa: E731
+        return at(q, i) @ at(k, j)
+
+    torch.testing.assert_close(score(5, 2), score(40, 37))
+    assert not torch.allclose(score(5, 2), score(5, 4))
+    v = torch.randn(1, 1, 10, 8)  # a rotation: lengths are kept
+    torch.testing.assert_close(llama.apply_rope(v, cos, sin).norm(dim=-1), v.norm(dim=-1))
+
+
+def test_grouped_query_attention_equals_repeated_kv_heads():
+    model = tiny()
+    att = model.layers[0].attention
+    x = torch.randn(2, 16, 32)
+    cos, sin = model.rope_cos, model.rope_sin
+    with torch.no_grad():
+        ours = att(x, cos, sin)
+        b, t = 2, 16
+        q = att.wq(x).view(b, t, 4, 8).transpose(1, 2)
+        k = att.wk(x).view(b, t, 2, 8).transpose(1, 2).repeat_interleave(2, dim=1)
+        v = att.wv(x).view(b, t, 2, 8).transpose(1, 2).repeat_interleave(2, dim=1)
+        q, k = llama.apply_rope(q, cos, sin), llama.apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        plain = att.wo(out.transpose(1, 2).reshape(b, t, -1))
+    torch.testing.assert_close(ours, plain)
+
+
+def test_the_stated_flop_count_is_6n_plus_attention():
+    """flops_per_token = 6 N (what torch's counter counts for the matmuls of a real training
+    step: it does not count the CPU's attention kernel) + 12 L d T for attention."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = tiny().train()
+    x = torch.randint(0, 64, (1, 32))
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    per_token_attention = 12 * 2 * 32 * 32  # L=2, d=32, T=32
+    assert model.flops_per_token(32) == counter.get_total_flops() // 32 + per_token_attention
+
+
+def test_the_text_corpus_is_split_by_file_and_the_same_every_time():
+    train, val, name = text.corpus(2.0, 0.2)
+    again = text.corpus.__wrapped__(2.0, 0.2)
+    assert np.array_equal(train, again[0]) and np.array_equal(val, again[1])
+    assert 1.2e6 < len(train) + len(val) <= 2e6 and 0.05 < len(val) / (len(train) + len(val)) < 0.4
+    assert "standard library" in name and "sha256" in name
+    assert 2.5 < unigram_nats(val, 256) < 4.5  # Python source: ~3.3 nats per byte
+
+
+def write_bin(root: Path, train: np.ndarray, val: np.ndarray) -> Path:
+    root.mkdir(exist_ok=True)
+    train.tofile(root / "train.bin")
+    val.tofile(root / "val.bin")
+    return root
+
+
+def test_token_files_are_read_as_nanogpt_writes_them(tmp_path):
+    rng = np.random.default_rng(0)
+    root = write_bin(
+        tmp_path / "d",
+        rng.integers(0, 1000, 5000, dtype=np.uint16),
+        np.arange(700, dtype=np.uint16),
+    )
+    cfg = group("data", "tokens", root=str(root), vocab_size=1000, seq_len=16, val_sequences=4)
+    data = tokens.build(cfg, Context(4, torch.device("cpu"), 0))
+    x, y = next(iter(data.val))
+    assert x.shape == y.shape == (4, 16) and x.dtype == torch.int64
+    assert torch.equal(x[0], torch.arange(16)) and torch.equal(y[0], torch.arange(1, 17))
+    assert (data.num_classes, data.input_shape, data.task.name) == (1000, (16,), "lm")
+    with pytest.raises(ConfigError, match="token id 999, outside data.vocab_size=500"):
+        tokens.read(group("data", "tokens", root=str(root), vocab_size=500), "train")
+    with pytest.raises(ConfigError, match="val.bin not found"):
+        (root / "val.bin").unlink()
+        tokens.read(cfg, "val")
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["model=llama_tiny"], "a language model and this data is images"),
+        (["data=text", "model=digits_cnn"], "an image model and this data is token sequences"),
+        (["model=llama_tiny", "data=text", "+model.kwargs.n_head=3"], "unexpected keyword"),
+        (["model=llama_tiny", "data=text", "data.seq_len=1"], "data.seq_len=1 is not allowed"),
+        (["model=llama_tiny", "data=tokens"], "data.root=None is not allowed"),
+    ],
+)
+def test_a_model_that_cannot_take_the_data_is_a_config_error(cfg_factory, overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        run.run(cfg_factory(*overrides))
+
+
+LM = ["model=llama_tiny", "data=text", "data.max_mb=4", "trainer.log_every=10"]
+SMALL = [*LM, "data.seq_len=64", "batch=16", "data.val_sequences=32"]
+
+
+def test_llama_tiny_learns_real_text_below_the_unigram_baseline(cfg_factory):
+    cfg = cfg_factory(*LM, "batch=32", "trainer.max_steps=60", "optimizer.lr=0.003")
+    s = run.run(cfg)
+    train, val, _ = text.corpus(4.0, 0.05)
+    assert s["task"] == "lm" and s["val_acc1"] is None
+    assert s["val_loss"] < unigram_nats(val, 256) - 0.4
+    assert s["val_bpb"] == pytest.approx(s["val_loss"] / math.log(2))
+    assert s["tokens_per_s"] == pytest.approx(s["samples_per_s"] * 128)
+    rows = [json.loads(r) for r in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert any("perf/tokens_per_s" in r for r in rows) and any("val/bpb" in r for r in rows)
+
+
+def test_amp_bf16_and_fp32_reach_the_same_loss(cfg_factory):
+    """On the CPU (autocast to fp16 or bf16): after 30 steps the val losses agree within 0.05
+    nats (the same seed and data; the low-precision matmuls round differently)."""
+    losses = {}
+    for p in ("fp32", "amp", "bf16"):
+        cfg = cfg_factory(*SMALL, f"precision={p}", "trainer.max_steps=30", "optimizer.lr=0.003")
+        losses[p] = run.run(cfg)["val_loss"]
+    assert max(losses.values()) - min(losses.values()) < 0.05, losses
+
+
+def test_resume_is_bit_exact(cfg_factory, tmp_path):
+    base = [
+        *LM,
+        "trainer.max_steps=12",
+        "ckpt.every_steps=6",
+        "ckpt.keep=3",
+        "model.grad_checkpointing=true",
+    ]
+    ref = cfg_factory(*base, f"run_dir={tmp_path / 'ref'}")
+    run.run(ref)
+    half = tmp_path / "ref" / "checkpoints" / "step_00000006.pt"
+    assert (
+        run.run(cfg_factory(*base, f"resume={half}", f"run_dir={tmp_path / 'again'}"))["steps"]
+        == 12
+    )
+    a = torch.load(tmp_path / "ref" / "checkpoints" / "last.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "again" / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_compiled_blocks_train_the_lm(cfg_factory):
+    s = run.run(
+        cfg_factory(*LM, "trainer.max_steps=4", "model.compile=true", "model.compile_scope=blocks")
+    )
+    assert s["status"] == "completed" and s["compile_s"] > 0
