@@ -185,3 +185,18 @@ def test_compiled_blocks_train_the_lm(cfg_factory):
         cfg_factory(*LM, "trainer.max_steps=4", "model.compile=true", "model.compile_scope=blocks")
     )
     assert s["status"] == "completed" and s["compile_s"] > 0
+
+
+def test_the_fp8_share_of_an_lm_is_its_owned_linears():
+    """MFU's blended peak needs the float8 share: 6 in x out per token for each owned Linear,
+    over the model's stated count (torch's counter cannot count grouped-query attention)."""
+    from mixprec import perf
+    from mixprec.tasks import LanguageModel
+
+    model = tiny()
+    owned = {f"layers.{i}.feed_forward.{w}" for i in range(2) for w in ("w1", "w2", "w3")}
+    total, fp8 = perf.train_flops(
+        model, (32,), 64, torch.device("cpu"), None, owned, LanguageModel()
+    )
+    assert total == 32 * model.flops_per_token(32)
+    assert fp8 == 32 * 6 * 2 * 3 * 32 * 64  # 2 layers x 3 matrices of 32 x 64

@@ -190,3 +190,13 @@ def test_a_sweep_rerun_into_its_own_dir_fails_rather_than_reports_old_results(tm
     again = run_train(args)
     assert again.returncode == 2, again.stderr[-2000:]  # refused: the dir holds a run
     assert "already holds a run" in again.stdout + again.stderr
+
+
+def test_a_job_that_wrote_no_summary_is_a_failed_row(tmp_path):
+    from mixprec import summary
+
+    (tmp_path / "0" / ".hydra").mkdir(parents=True)
+    (tmp_path / "0" / ".hydra" / "config.yaml").write_text("precision: {name: bf16}\nbatch: 4\n")
+    s = summary.read(tmp_path / "0")
+    assert (s["status"], s["precision"], s["batch"]) == ("failed", "bf16", 4)
+    assert "no summary.json" in s["error"]

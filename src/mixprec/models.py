@@ -161,9 +161,10 @@ def build(
     check_fits(mcfg.name, task)
     shaped = {"max_seq_len": input_shape[0]} if task.name == "lm" else {"in_chans": input_shape[0]}
     try:
-        model = timm.create_model(
-            mcfg.name, pretrained=False, num_classes=num_classes, **shaped, **mcfg.kwargs
-        )
+        with device:  # weights made and initialised where they train (a 1B model: 5 s on a CPU)
+            model = timm.create_model(
+                mcfg.name, pretrained=False, num_classes=num_classes, **shaped, **mcfg.kwargs
+            )
     except (TypeError, ValueError) as e:  # e.g. a model.kwargs key this model does not take
         raise ConfigError(
             f"model.name={mcfg.name!r} with model.kwargs={dict(mcfg.kwargs)}: "

@@ -164,8 +164,10 @@ def train_flops(
     from .models import unwrap
 
     task = task or CLASSIFY
-    batch = 16 if task.name == "classify" else 1  # a sequence: its tokens are the rows
     plain = unwrap(model)
+    if hasattr(plain, "flops_per_token"):  # a language model states its count (llama.py)
+        return stated_flops(plain, input_shape[0], owned)
+    batch = 16
     twin = copy.deepcopy(plain).train()
     x = task.inputs(batch, input_shape, num_classes, device)
     y = task.targets(batch, input_shape, num_classes, device)
@@ -178,10 +180,19 @@ def train_flops(
     in_owned = sum(
         sum(ops.values()) for key, ops in counter.get_flop_counts().items() if key[prefix:] in owned
     )
-    total = counter.get_total_flops()
-    if hasattr(plain, "flops_per_token"):  # a language model states its count (llama.py): the
-        total = plain.flops_per_token(input_shape[0]) * input_shape[0]  # counter misses CPU SDPA
-    return total // batch, in_owned // batch
+    return counter.get_total_flops() // batch, in_owned // batch
+
+
+def stated_flops(model: torch.nn.Module, seq_len: int, owned: set[str]) -> tuple[int, int]:
+    """(all, in the `owned` Linear layers) training FLOPs of one sequence, from the model's own
+    count (6 N + attention, per token; torch's counter cannot count grouped-query attention
+    kernels) and 6 x in x out per token for each owned Linear."""
+    in_owned = sum(
+        6 * m.in_features * m.out_features
+        for name, m in model.named_modules()
+        if name in owned and isinstance(m, torch.nn.Linear)
+    )
+    return model.flops_per_token(seq_len) * seq_len, in_owned * seq_len
 
 
 def mfu(

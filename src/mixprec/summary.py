@@ -34,7 +34,7 @@ CONTRACT = (
 )
 
 
-def make(error: MixprecError | None = None, **values: Any) -> dict:
+def make(error: MixprecError | None = None, /, **values: Any) -> dict:
     """The summary: the contract's keys first (null where unknown), then the rest; a run that
     ended with an error carries its message and exit code."""
     out = {k: values.pop(k, None) for k in CONTRACT}
