@@ -200,3 +200,12 @@ def test_the_fp8_share_of_an_lm_is_its_owned_linears():
     )
     assert total == 32 * model.flops_per_token(32)
     assert fp8 == 32 * 6 * 2 * 3 * 32 * 64  # 2 layers x 3 matrices of 32 x 64
+
+
+def test_a_sweeps_later_job_times_its_own_start_and_compile(cfg_factory):
+    """In an in-process sweep, first_step_s and compile_s are the job's own, not the
+    process's running totals."""
+    first = run.run(cfg_factory(*SMALL, "trainer.max_steps=2", "model.compile=true"))
+    second = run.run(cfg_factory(*SMALL, "trainer.max_steps=2"))  # not compiled
+    assert first["compile_s"] > 0 and second["compile_s"] == 0
+    assert second["first_step_s"] < first["first_step_s"]

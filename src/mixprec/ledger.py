@@ -102,7 +102,7 @@ class StepLedger:
             gpu = self.hooks.meter.device.type == "cuda"
             since_start, compiled = self.hooks.meter.first_step_done()
             log.info(
-                "first step took %.1fs, %.1fs after the process started (%s%s; warm-up keeps "
+                "first step took %.1fs, %.1fs after the run started (%s%s; warm-up keeps "
                 "it out of samples/s)",
                 time.perf_counter() - self.started,
                 since_start,

@@ -18,6 +18,7 @@ MIN_TIMED_STEPS = 10  # fewer steps after warm-up than this: samples_per_s is nu
 
 
 _IMPORTED = time.monotonic()
+_JOB: dict = {}  # this job's start: its clock, and the compile and tuning seconds before it
 
 
 def process_age_s() -> float:
@@ -31,26 +32,52 @@ def process_age_s() -> float:
         return time.monotonic() - _IMPORTED
 
 
-def compile_s() -> float | None:
-    """Seconds torch.compile spent so far in this process (dynamo and inductor, forward and
-    backward graphs, torch's own counter; kernel autotuning at first launch is not in it)."""
+def job_started() -> None:
+    """A run begins (run.run). The first run of a process counts from the process's start (its
+    imports are part of the wait); a later job of an in-process sweep from its own start, and
+    compile and tuning seconds from zero."""
+    first = not _JOB
+    _JOB.update(
+        t=time.monotonic() - (process_age_s() if first else 0.0),
+        compile=_compile_total() or 0.0,
+        tune=_tune_total() or 0.0,
+    )
+
+
+def since_job_start() -> float:
+    return time.monotonic() - _JOB["t"] if _JOB else process_age_s()
+
+
+def _compile_total() -> float | None:
     try:
         from torch._dynamo.utils import calculate_time_spent
 
-        return round(calculate_time_spent().get("total_wall_time", 0.0), 2)
+        return calculate_time_spent().get("total_wall_time", 0.0)
     except Exception:  # a private counter: absent in another torch, the key is null
         return None
 
 
-def tune_s() -> float | None:
-    """Seconds inductor spent tuning Triton kernels at their first launch (coordinate descent,
-    autotuning among configs): after compile_s, the other cost of a compiled first step."""
+def _tune_total() -> float | None:
     try:
         from torch._dynamo.utils import compilation_time_metrics
     except Exception:
         return None
     keys = [k for k in compilation_time_metrics if "coordinate_descent" in k or "autotune" in k]
-    return round(sum(sum(compilation_time_metrics[k]) for k in keys), 2)
+    return sum(sum(compilation_time_metrics[k]) for k in keys)
+
+
+def compile_s() -> float | None:
+    """Seconds torch.compile spent in this job (dynamo and inductor, forward and backward
+    graphs, torch's own counter; kernel tuning at first launch is tune_s)."""
+    total = _compile_total()
+    return None if total is None else round(total - _JOB.get("compile", 0.0), 2)
+
+
+def tune_s() -> float | None:
+    """Seconds inductor spent in this job tuning Triton kernels at their first launch
+    (coordinate descent, autotuning among configs): the other cost of a compiled first step."""
+    total = _tune_total()
+    return None if total is None else round(total - _JOB.get("tune", 0.0), 2)
 
 
 class Throughput:
@@ -98,7 +125,7 @@ class Throughput:
     def first_step_done(self) -> tuple[float, float | None]:
         """Record when the first step ended (the caller synchronised): (first_step_s,
         compile_s so far)."""
-        self.first_step_s, self.compile_first_s = round(process_age_s(), 2), compile_s()
+        self.first_step_s, self.compile_first_s = round(since_job_start(), 2), compile_s()
         return self.first_step_s, self.compile_first_s
 
     def maybe_end_warmup(self, step: int) -> None:

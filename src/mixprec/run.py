@@ -70,6 +70,7 @@ def run(cfg: DictConfig) -> dict:
     """Train as configured; returns the summary (also written to summary.json). Until the run
     is accepted (its config valid, its run dir locked and its own, a resume fitted) it writes
     nothing: a refused run leaves no trace in the dir it was refused from (rundir.Journal)."""
+    perf.job_started()
     journal = rundir.Journal()
     run_dir = Path(OmegaConf.select(cfg, "run_dir", default=".", throw_on_missing=False) or ".")
     try:
