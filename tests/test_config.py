@@ -27,7 +27,7 @@ GROUPS = [
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in group_options(g)])
 def test_every_option_composes_and_validates(group, option):
-    if (group, option) in (("data", "imagenet"), ("data", "cifar10")):
+    if (group, option) in (("data", "imagenet"), ("data", "cifar10"), ("data", "tokens")):
         with pytest.raises(ConfigError, match=f"data.root=None is not allowed.*data={option}"):
             validate(compose_cfg([f"{group}={option}"]))
         cfg = compose_cfg([f"{group}={option}", "data.root=/some/dir"])

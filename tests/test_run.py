@@ -46,6 +46,8 @@ SUMMARY_KEYS = {
 # Shrinks any preset to a CPU-sized smoke run (GPU presets included: needs_gpu=false).
 TINY = ["batch=2", "accum=1", "trainer.max_steps=2", "needs_gpu=false"]
 TINY_SYNTHETIC = ["data.shape=[3,32,32]", "data.num_classes=10", "data.val_steps=1"]
+# a language-model preset: its model at a CPU size (the sweep's own model choice is Hydra's)
+TINY_LM = ["model=llama_tiny", "data.seq_len=32", "data.val_sequences=2", "data.max_mb=1"]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -74,8 +76,9 @@ def test_every_experiment_preset_runs_two_steps(cfg_factory, preset):
     # experiment=fast and fp8_table compile: minutes on a 2-core CPU. Compile itself is tested on
     # a tiny model (test_speed.py); here the rest of the preset runs eagerly.
     eager = ["model.compile=false"]
-    synthetic = cfg_factory(f"experiment={preset}").data.name == "synthetic"
-    cfg = cfg_factory(f"experiment={preset}", *TINY, *eager, *(TINY_SYNTHETIC if synthetic else []))
+    data = cfg_factory(f"experiment={preset}").data.name
+    shrink = {"synthetic": TINY_SYNTHETIC, "text": TINY_LM}.get(data, [])
+    cfg = cfg_factory(f"experiment={preset}", *TINY, *eager, *shrink)
     run.run(cfg)
     d = Path(cfg.run_dir)
     summary = json.loads((d / "summary.json").read_text())

@@ -82,11 +82,14 @@ def reference(images, tmp_path_factory) -> Path:
 
 
 def start(
-    args: list[str], prefix: list[str] = (), python: list[str] = (sys.executable,)
+    args: list[str], prefix: list[str] = (), python: list[str] = (sys.executable,), threads=None
 ) -> subprocess.Popen:
     """train.py as the leader of a process group of its own (as a terminal or timeout starts
-    it), so that the group can be signalled without signalling pytest."""
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    it), so that the group can be signalled without signalling pytest. (A run compared bit for
+    bit with another must use the same number of threads.)"""
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     return subprocess.Popen(
         [*prefix, *python, str(ROOT / "train.py"), *args],
         cwd=ROOT,
@@ -173,10 +176,10 @@ def test_torchrun_with_workers_signalled_as_a_group_stops_every_rank_once(tmp_pa
     resumes to the weights of an uninterrupted torchrun run, bit for bit. (torchrun itself then
     exits 1 with its SignalException: torch's agent, not the run, sets that code.)"""
     run_dir, ref = tmp_path / "run", tmp_path / "ref"
-    done = start([*base(images), f"hydra.run.dir={ref}"], python=TORCHRUN)
+    done = start([*base(images), f"hydra.run.dir={ref}"], python=TORCHRUN, threads=1)
     out = done.communicate(timeout=300)[0]
     assert done.returncode == 0, out[-3000:]
-    proc = start([*base(images), f"hydra.run.dir={run_dir}"], python=TORCHRUN)
+    proc = start([*base(images), f"hydra.run.dir={run_dir}"], python=TORCHRUN, threads=1)
     wait_for_step(run_dir, proc, 10)
     os.killpg(proc.pid, signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
@@ -186,7 +189,9 @@ def test_torchrun_with_workers_signalled_as_a_group_stops_every_rank_once(tmp_pa
     ckpt = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert (summary["status"], summary["exit_code"]) == ("preempted", 143)
     assert summary["steps"] == ckpt["state"]["step"] < 30
-    again = start([*base(images), "resume=auto", f"hydra.run.dir={run_dir}"], python=TORCHRUN)
+    again = start(
+        [*base(images), "resume=auto", f"hydra.run.dir={run_dir}"], python=TORCHRUN, threads=1
+    )
     out = again.communicate(timeout=300)[0]
     assert again.returncode == 0, out[-3000:]
     assert_identical(weights(run_dir), weights(ref))

@@ -53,6 +53,21 @@ class Parts:
     def run_dir(self) -> Path:
         return Path(self.config.run_dir)
 
+    def example(self, n: int = 2) -> torch.Tensor:
+        """A random input batch of this run's kind (for the dtype audit)."""
+        d = self.data
+        return example(self.config, d.input_shape, self.device, n, d.num_classes, d.task)
+
+    def meter(self) -> perf.Throughput:
+        """The throughput meter: its warm-up, MFU against this run's peak, tokens per sample."""
+        peak, flops, world = self.peak_tflops, self.flops_per_sample, self.dist.world
+        return perf.Throughput(
+            self.device,
+            self.config.trainer.perf_warmup_steps,
+            mfu=lambda sps: perf.mfu(flops, sps, peak, world),
+            tokens_per_sample=self.data.task.tokens(self.data.input_shape),
+        )
+
 
 def resolve_hardware(c: TrainConfig) -> hardware.HardwareConfig:
     return hardware.resolve(c.hardware, config.hardware_profiles())

@@ -11,6 +11,8 @@ sequence length come from the data (`data=text`: bytes, 256)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from timm.models import register_model
@@ -86,37 +88,43 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+@dataclass(frozen=True)
+class Shape:
+    """A decoder's size (conf/model/llama_*.yaml: model.kwargs)."""
+
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+
 class Llama(nn.Module):
     """(batch, seq) token ids -> (batch, seq, vocab) logits."""
 
     pretrained_cfg = {"classifier": "output"}  # timm's name for the head (fp8 keeps it in bf16)
 
-    def __init__(
-        self,
-        num_classes: int = 256,  # the vocabulary (timm's name: the data's size)
-        max_seq_len: int = 256,
-        dim: int = 128,
-        n_layers: int = 4,
-        n_heads: int = 4,
-        n_kv_heads: int = 2,
-        ffn_dim: int = 384,
-        rope_theta: float = 10000.0,
-        norm_eps: float = 1e-5,
-        init_std: float = 0.02,
-    ) -> None:
+    def __init__(self, num_classes: int = 256, max_seq_len: int = 256, **shape) -> None:
+        """num_classes: the vocabulary (timm's name; the data's size); shape: Shape's fields
+        (an unknown one is a TypeError)."""
         super().__init__()
-        self.vocab, self.max_seq_len, self.dim = num_classes, max_seq_len, dim
-        self.tok_embeddings = nn.Embedding(num_classes, dim)
+        sh = Shape(**shape)
+        self.vocab, self.max_seq_len, self.dim = num_classes, max_seq_len, sh.dim
+        self.tok_embeddings = nn.Embedding(num_classes, sh.dim)
         self.layers = nn.ModuleList(
-            Block(dim, n_heads, n_kv_heads, ffn_dim, norm_eps) for _ in range(n_layers)
+            Block(sh.dim, sh.n_heads, sh.n_kv_heads, sh.ffn_dim, sh.norm_eps)
+            for _ in range(sh.n_layers)
         )
-        self.norm = nn.RMSNorm(dim, eps=norm_eps)
-        self.output = nn.Linear(dim, num_classes, bias=False)
-        cos, sin = rope_tables(dim // n_heads, max_seq_len, rope_theta)
+        self.norm = nn.RMSNorm(sh.dim, eps=sh.norm_eps)
+        self.output = nn.Linear(sh.dim, num_classes, bias=False)
+        cos, sin = rope_tables(sh.dim // sh.n_heads, max_seq_len, sh.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.grad_checkpointing = False
-        self._init(init_std, n_layers)
+        self._init(sh.init_std, sh.n_layers)
 
     def _init(self, std: float, n_layers: int) -> None:
         """GPT-2's: normal(0, std) weights, the projections into the residual stream scaled by

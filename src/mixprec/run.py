@@ -142,8 +142,7 @@ class Session:
             raise
         finally:
             self._close(hooks)
-        if self.error is not None:  # an OOM (a fresh error, the failed step's memory freed), or
-            # a summary.json that a full disk refused
+        if self.error is not None:  # an OOM (its step's memory freed), or no room for the summary
             batch_size.release()
             raise self.error
         return self.summary
@@ -217,18 +216,12 @@ class Session:
         if c.diagnose:
             diagnose.on_run(
                 unwrap(p.learner.model),
-                build.example(c, p.data.input_shape, p.device, 2, p.data.num_classes, p.data.task),
+                p.example(),
                 p.learner.precision,
                 self.tracker,
                 p.run_dir,
             )
-        peak, flops, world = p.peak_tflops, p.flops_per_sample, p.dist.world
-        meter = perf.Throughput(
-            p.device,
-            c.trainer.perf_warmup_steps,
-            mfu=lambda sps: perf.mfu(flops, sps, peak, world),
-            tokens_per_sample=p.data.task.tokens(p.data.input_shape),
-        )
+        meter = p.meter()
         guard = DivergenceGuard(
             p.device,
             c.debug.max_bad_steps,
@@ -280,11 +273,10 @@ class Session:
         self.summary = summary.of_session(self)
         try:
             self.tracker.summary(self.summary)
-        except DiskFull as e:  # summary.json cannot be written: the run cannot say it completed
-            if self.error is None:
-                self.status, self.error = "failed", e
-            else:
+        except DiskFull as e:  # no summary.json: the run cannot say it completed
+            if self.error is not None:
                 log.error("summary.json could not be written either: %s", e)
+            self.status, self.error = "failed", self.error or e
         self.tracker.close(self.status)
         if self.p.config.diagnose and self.p.dist.main:
             diagnose.loss_scale_plot(self.p.run_dir)

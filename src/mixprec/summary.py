@@ -48,7 +48,8 @@ def of_session(s) -> dict:
     """The summary of a run that started training, however it ended (run.Session)."""
     p, c, st = s.p, s.p.config, s.state
     meter, mem = s.hooks.meter, hardware.memory_stats(p.device)
-    val = {metrics.summary_name(k): v for k, v in st.val.items()}
+    val = {m.summary: None for m in metrics.METRICS if m.key.startswith("val/")}  # null: n/a
+    val.update({metrics.summary_name(k): v for k, v in st.val.items()})
     return make(
         s.error,
         status=s.status,
@@ -60,7 +61,7 @@ def of_session(s) -> dict:
         steps=st.step,
         samples_per_s=meter.steady_rate,
         peak_mem_gib=mem["mem/peak_gib"],
-        **{"val_acc1": None, "val_loss": None, **val},
+        **val,
         skipped_steps=st.skipped_steps,
         loss_scale=_loss_scale(p.learner.precision),
         mfu=meter.mfu(meter.steady_rate),

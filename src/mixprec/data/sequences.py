@@ -30,7 +30,7 @@ class TokenLoader:
         self.stream, self.seq_len, self.ctx, self.shuffle = stream, seq_len, ctx, shuffle
         self.n = windows(len(stream), seq_len)
         used = min(self.n, limit) if limit else self.n  # training: an epoch is `limit` windows
-        self.per_rank = used // ctx.world if shuffle else math.ceil(used / ctx.world)
+        self.per_rank = used // ctx.world  # every rank the same count (a few dropped at most)
         self.epoch, self.skip = 0, 0
         self.offsets = torch.arange(seq_len + 1, device=ctx.device)
 
@@ -47,7 +47,7 @@ class TokenLoader:
             g = torch.Generator().manual_seed(self.ctx.seed + self.epoch)
             order = torch.randperm(self.n, generator=g)[: self.per_rank * self.ctx.world]
         else:
-            order = torch.arange(min(self.per_rank * self.ctx.world, self.n))
+            order = torch.arange(self.per_rank * self.ctx.world)
         return order[self.ctx.rank :: self.ctx.world]
 
     def __iter__(self):

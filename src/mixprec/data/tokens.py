@@ -36,10 +36,10 @@ class Config:
 
     def __post_init__(self) -> None:
         check(
-            self.root is not None,
+            bool(self.root),
             "data.root",
             self.root,
-            "the folder holding train.bin and val.bin",
+            "the folder holding train.bin and val.bin for data=tokens",
         )
         one_of("data.dtype", self.dtype, ("uint16", "uint32"))
         limit = 2**16 if self.dtype == "uint16" else 2**31
