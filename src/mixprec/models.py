@@ -171,7 +171,7 @@ def build(
             f"{str(e).splitlines()[0][:200]}"
         ) from None
     model.to(device)
-    _materialise(model, mcfg.name, task.inputs(1, input_shape, num_classes, device).zero_())
+    _materialise(model, mcfg.name, task.zeros(1, input_shape, device))
     if mcfg.grad_checkpointing:
         model = enable_grad_checkpointing(model, mcfg.name)
     if mcfg.channels_last:

@@ -27,6 +27,10 @@ class Classify:
     def targets(self, n: int, shape, num_classes: int, device) -> torch.Tensor:
         return torch.randint(0, num_classes, (n,), device=device)
 
+    def zeros(self, n: int, shape, device) -> torch.Tensor:
+        """An input of zeros (draws nothing from the RNG: the model's init stays the seed's)."""
+        return torch.zeros(n, *shape, device=device)
+
     def loss(self, logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean"):
         return F.cross_entropy(logits, y, reduction=reduction)
 
@@ -54,6 +58,9 @@ class LanguageModel:
 
     def targets(self, n: int, shape, vocab: int, device) -> torch.Tensor:
         return torch.randint(0, vocab, (n, *shape), device=device)
+
+    def zeros(self, n: int, shape, device) -> torch.Tensor:
+        return torch.zeros(n, *shape, dtype=torch.long, device=device)
 
     def loss(self, logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean"):
         return F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)
