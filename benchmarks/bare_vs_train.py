@@ -5,6 +5,7 @@
     python benchmarks/bare_vs_train.py --preset gpu --matrix --gpus 0,1   # `make bench`
     python benchmarks/bare_vs_train.py --preset gpu --rows amp+cl+compile,bf16+cl+graphs@384
     python benchmarks/bare_vs_train.py --preset gpu --rows amp+cl --train-args scaler.guard_bn_stats=false
+    python benchmarks/bare_vs_train.py --preset lm --rows bf16+compile,fp8+compile   # the Llama 8B slice
 
 A row is `precision[+cl][+compile[:mode]][+opt:KEY]...[+graphs][@batch]` (precision: fp32, tf32,
 amp, bf16, fp8, fp8_rowwise): channels_last,
@@ -49,6 +50,40 @@ PRESETS = {
         repeats=3,
         train_args=["experiment=resnet50_synthetic"],
     ),
+    # language models (docs/language-models.md): the same decoder, precision, conversion and
+    # per-block compile on both sides; the bare loop feeds random tokens of the same shape
+    "lm": dict(
+        precisions=["bf16+compile", "fp8+compile"],
+        batch=2,
+        steps=10,
+        warmup=10,
+        repeats=3,
+        train_args=[
+            "model=llama_8b_slice",
+            "data=text",
+            "data.seq_len=4096",
+            "data.epoch_sequences=100000",
+            "model.compile_scope=blocks",
+            "optimizer.scale_lr=none",
+            "optimizer.lr=3e-4",
+        ],
+    ),
+    "lm-cpu": dict(  # the same code path on a CPU, small (a smoke test, not a measurement)
+        precisions=["fp32"],
+        batch=4,
+        steps=5,
+        warmup=3,
+        repeats=2,
+        train_args=[
+            "model=llama_tiny",
+            "data=text",
+            "data.seq_len=64",
+            "data.max_mb=2",
+            "hardware=cpu",
+            "optimizer.scale_lr=none",
+            "optimizer.lr=3e-4",
+        ],
+    ),
 }
 
 
@@ -81,6 +116,8 @@ def bare(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
     from mixprec.config import compose_config, validate
     from mixprec.process import set_tf32
 
+    if preset.startswith("lm"):
+        return bare_lm(preset, row, steps, warmup, repeats)
     cuda, batch = preset == "gpu", row["batch"]
     device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(0)
@@ -161,6 +198,60 @@ def bare(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
     sync()
     rates.append(steps * batch / (time.perf_counter() - t0))
     peak = torch.cuda.max_memory_allocated() / 1024**3 if cuda else None
+    return {"samples_per_s": statistics.median(rates), "windows": rates, "peak_mem_gib": peak}
+
+
+def bare_lm(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
+    """A plain loop over the Llama decoder: autocast + GradScaler + fused AdamW, the model
+    converted by the precision as train.py does, each block compiled in place."""
+    import timm
+    import torch
+    import torch.nn.functional as F
+
+    import mixprec.models  # noqa: F401  (registers mixprec_llama with timm)
+    from mixprec import compiling
+    from mixprec import precision as precisions
+    from mixprec.config import compose_config, validate
+    from mixprec.process import set_tf32
+
+    c = validate(compose_config([*PRESETS[preset]["train_args"], f"precision={row['precision']}"]))
+    device = torch.device("cuda" if torch.cuda.is_available() and preset == "lm" else "cpu")
+    torch.manual_seed(0)
+    prec = precisions.build(c.precision, c.scaler, device)
+    set_tf32(c.precision.tf32)
+    seq, batch = c.data.seq_len, row["batch"]
+    with device:
+        model = timm.create_model(
+            c.model.name, num_classes=256, max_seq_len=seq, **dict(c.model.kwargs)
+        )
+    model = prec.convert(model)
+    if row["compile"]:
+        compiling.compile_blocks(model, c.model.name, None, {})
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=3e-4, **({"fused": True} if device.type == "cuda" else {})
+    )
+    scaler = torch.amp.GradScaler(device.type, enabled=prec.dtype is torch.float16)
+    x = torch.randint(0, 256, (batch, seq), device=device)
+    y = torch.randint(0, 256, (batch, seq), device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rates, t0 = [], time.perf_counter()
+    for step in range(warmup + steps * repeats):
+        if step >= warmup and (step - warmup) % steps == 0:
+            sync()
+            if step > warmup:
+                rates.append(steps * batch / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+        with torch.autocast(
+            device.type, dtype=prec.dtype or torch.bfloat16, enabled=prec.dtype is not None
+        ):
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    sync()
+    rates.append(steps * batch / (time.perf_counter() - t0))
+    peak = torch.cuda.max_memory_allocated() / 1024**3 if device.type == "cuda" else None
     return {"samples_per_s": statistics.median(rates), "windows": rates, "peak_mem_gib": peak}
 
 
