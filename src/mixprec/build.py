@@ -16,6 +16,7 @@ from . import (
     compiling,
     config,
     distributed,
+    fp32_layers,
     hardware,
     loop,
     models,
@@ -162,6 +163,7 @@ def assemble(
     (the FLOP count). Training and every batch=auto probe are built here."""
     model = models.build(c.model, spec.num_classes, spec.input_shape, device, spec.task)
     model = prec.convert(model)
+    prec.kept = fp32_layers.keep(model, c.precision.keep_fp32, device.type, set(prec.owned()))
     inspect(model)
     model = distributed.wrap(model, dd, device)
     if c.model.cuda_graphs:  # a fixed batch shape: the one every training step has
@@ -219,6 +221,7 @@ def audit_inputs(c: TrainConfig) -> tuple[torch.nn.Module, torch.Tensor, precisi
     num_classes, shape = datasets.spec(c.data)
     task = datasets.task(c.data)
     model = prec.convert(models.build(c.model, num_classes, shape, device, task))
+    prec.kept = fp32_layers.keep(model, c.precision.keep_fp32, device.type, set(prec.owned()))
     return model, example(c, shape, device, 2, num_classes, task), prec
 
 

@@ -195,7 +195,7 @@ def on_run(model: nn.Module, x: torch.Tensor, prec, tracker, run_dir: Path) -> N
     the ledger's, on logged steps: ledger.py)."""
     import logging
 
-    result = audit(model, x, prec.autocast, prec.owned())
+    result = audit(model, x, prec.autocast, prec.audited())
     (run_dir / "diagnose.md").write_text(markdown(result, prec.name))
     (run_dir / "diagnose.json").write_text(json.dumps(result, indent=1))
     logging.getLogger("mixprec").info(
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     except HydraException as e:  # an unknown group option, a bad override
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(markdown(audit(model, x, prec.autocast, prec.owned()), prec.name))
+    print(markdown(audit(model, x, prec.autocast, prec.audited()), prec.name))
 
 
 if __name__ == "__main__":

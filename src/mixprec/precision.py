@@ -25,9 +25,9 @@ import dataclasses
 import importlib
 import logging
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from omegaconf import MISSING
@@ -52,6 +52,7 @@ class PrecisionConfig:
     accum: int = (
         MISSING  # default micro-batches per optimizer step (the top-level `accum` reads it)
     )
+    keep_fp32: List[str] = MISSING  # modules computed in fp32 under autocast (fp32_layers.py)
 
     def __post_init__(self) -> None:
         check(
@@ -114,6 +115,7 @@ class Precision:
     scaler: GradScaler  # enabled only for float16 autocast with a scaler configured
     guard_bn_stats: bool  # with an active scaler: BatchNormGuard puts overflowed stats back
     cache: bool = True  # autocast's weight-cast cache (off under CUDA graphs, as torch requires)
+    kept: list = field(default_factory=list)  # modules kept in fp32 (fp32_layers.keep sets it)
 
     @property
     def name(self) -> str:
@@ -165,7 +167,17 @@ class Precision:
 
     def columns(self) -> dict:
         """The W&B config's precision columns (the scaler's are its config group's)."""
-        return {"precision": self.name, "autocast": self.cfg.autocast or "off", "tf32": self.tf32}
+        kept = {"keep_fp32": list(self.cfg.keep_fp32)} if self.cfg.keep_fp32 else {}
+        return {
+            "precision": self.name,
+            "autocast": self.cfg.autocast or "off",
+            "tf32": self.tf32,
+            **kept,
+        }
+
+    def audited(self) -> dict[str, str]:
+        """What the dtype audit labels by name: owned() and the modules kept in fp32."""
+        return {**self.owned(), **{name: "float32 (kept)" for name in self.kept}}
 
     def memory_key(self) -> dict:
         """Everything about the precision that changes training memory (batch=auto's cache)."""
