@@ -105,6 +105,22 @@ def parse_row(spec: str, batch: int) -> dict:
     return row
 
 
+def timed(step, batch: int, steps: int, warmup: int, repeats: int, sync) -> list[float]:
+    """Samples/s of `repeats` windows of `steps` calls of step() after `warmup` calls, the
+    device synchronised at each window's edges."""
+    rates, t0 = [], time.perf_counter()
+    for i in range(warmup + steps * repeats):
+        if i >= warmup and (i - warmup) % steps == 0:
+            sync()
+            if i > warmup:
+                rates.append(steps * batch / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+        step()
+    sync()
+    rates.append(steps * batch / (time.perf_counter() - t0))
+    return rates
+
+
 def bare(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
     """The seeds' plain loop: autocast + GradScaler + SGD (+ the row's switches), nothing else."""
     import timm
@@ -181,13 +197,8 @@ def bare(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
     it = batches()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    rates, t0 = [], time.perf_counter()
-    for step in range(warmup + steps * repeats):
-        if step >= warmup and (step - warmup) % steps == 0:
-            sync()
-            if step > warmup:
-                rates.append(steps * batch / (time.perf_counter() - t0))
-            t0 = time.perf_counter()
+
+    def step() -> None:
         x, y = next(it)
         with autocast():
             loss = F.cross_entropy(model(x), y)
@@ -195,8 +206,8 @@ def bare(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-    sync()
-    rates.append(steps * batch / (time.perf_counter() - t0))
+
+    rates = timed(step, batch, steps, warmup, repeats, sync)
     peak = torch.cuda.max_memory_allocated() / 1024**3 if cuda else None
     return {"samples_per_s": statistics.median(rates), "windows": rates, "peak_mem_gib": peak}
 
@@ -234,13 +245,8 @@ def bare_lm(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> di
     x = torch.randint(0, 256, (batch, seq), device=device)
     y = torch.randint(0, 256, (batch, seq), device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    rates, t0 = [], time.perf_counter()
-    for step in range(warmup + steps * repeats):
-        if step >= warmup and (step - warmup) % steps == 0:
-            sync()
-            if step > warmup:
-                rates.append(steps * batch / (time.perf_counter() - t0))
-            t0 = time.perf_counter()
+
+    def step() -> None:
         with torch.autocast(
             device.type, dtype=prec.dtype or torch.bfloat16, enabled=prec.dtype is not None
         ):
@@ -249,8 +255,8 @@ def bare_lm(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> di
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-    sync()
-    rates.append(steps * batch / (time.perf_counter() - t0))
+
+    rates = timed(step, batch, steps, warmup, repeats, sync)
     peak = torch.cuda.max_memory_allocated() / 1024**3 if device.type == "cuda" else None
     return {"samples_per_s": statistics.median(rates), "windows": rates, "peak_mem_gib": peak}
 
