@@ -91,3 +91,22 @@ def test_keep_fp32_trains_through_train_py_and_the_audit_lists_it(cfg_factory, t
     assert s["status"] == "completed"
     audit = (tmp_path / "run" / "diagnose.md").read_text()
     assert "float32 (kept)" in audit and "output" in audit
+
+
+def test_mfu_counts_kept_flops_at_the_fp32_peak(cfg_factory):
+    """With keep_fp32, the peak MFU divides by blends the precision's peak with the TF32 (or
+    fp32) peak by the kept layers' share of the FLOPs."""
+    from mixprec import build, distributed, models, perf
+    from mixprec.config import validate
+
+    c = validate(cfg_factory("precision=bf16", "precision.keep_fp32=[head]"))
+    hw = build.resolve_hardware(c)
+    hw.peak_tflops = {"fp32": 10.0, "tf32": 100.0, "bf16": 1000.0}
+    p = build.build(c, hw, distributed.Dist())
+    model, prec = models.unwrap(p.learner.model), p.learner.precision
+    cpu = torch.device("cpu")
+    total, head = perf.train_flops(model, (1, 8, 8), 10, cpu, prec.autocast, {"head"})
+    share = head / total
+    assert 0 < share < 0.5 and prec.kept == ["head"]
+    expected = 1 / (share / 100.0 + (1 - share) / 1000.0)  # bf16 runs with TF32 on
+    assert p.peak_tflops == pytest.approx(expected)

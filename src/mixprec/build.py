@@ -179,16 +179,16 @@ def _flops_and_peak(model, data, hw, prec, device) -> tuple[int | None, float | 
     (None, None) where the profile knows no peak (the count is skipped)."""
     if not prec.peak_tflops(hw.peak_tflops, 0.0):
         return None, None
-    total, owned = perf.train_flops(
-        model,
-        data.input_shape,
-        data.num_classes,
-        device,
-        prec.autocast,
-        set(prec.owned()),
-        data.task,
+    count = lambda names: perf.train_flops(  # noqa: E731
+        model, data.input_shape, data.num_classes, device, prec.autocast, names, data.task
     )
-    return total, prec.peak_tflops(hw.peak_tflops, owned / total if total else 0.0)
+    total, owned = count(set(prec.owned()))
+    peak = prec.peak_tflops(hw.peak_tflops, owned / total if total else 0.0)
+    if prec.kept and total:  # precision.keep_fp32: their FLOPs run at the fp32 (or TF32) peak
+        kept_share = count(set(prec.kept))[1] / total
+        fp32 = hw.peak_tflops.get("tf32" if prec.tf32 else "fp32")
+        peak = perf.blended_peak(peak, fp32, kept_share)
+    return total, peak
 
 
 def probes(c: TrainConfig, device: torch.device) -> tuple:

@@ -15,6 +15,7 @@ from omegaconf import MISSING
 from torch import nn
 
 from .errors import ConfigError, check, one_of
+from .perf import blended_peak
 from .precision import Precision, PrecisionConfig
 
 log = logging.getLogger(__name__)
@@ -48,16 +49,6 @@ def eligible(module: nn.Module, name: str, head: str | None, convert_head: bool)
     if module.in_features % 16 or module.out_features % 16:
         return False
     return convert_head or not head or not (name == head or name.startswith(head + "."))
-
-
-def blended_peak(bf16_peak: float | None, fp8_peak: float | None, fp8_share: float) -> float | None:
-    """The dense peak a run with `fp8_share` of its FLOPs in float8 and the rest in bf16 could
-    reach: each FLOP takes 1/peak of its kind, so the peak is the FLOP-weighted harmonic mean."""
-    if not fp8_share:
-        return bf16_peak
-    if not bf16_peak or not fp8_peak:
-        return None  # no honest MFU without both peaks
-    return 1.0 / (fp8_share / fp8_peak + (1.0 - fp8_share) / bf16_peak)
 
 
 @dataclass

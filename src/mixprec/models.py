@@ -72,6 +72,8 @@ class DigitsCNN(nn.Module):
     Channel counts are multiples of 8 so the convs map onto tensor cores under fp16/bf16.
     """
 
+    pretrained_cfg = {"classifier": "head"}  # timm's name for the head (keep_fp32=[head])
+
     def __init__(self, num_classes: int = 10, in_chans: int = 1, width: int = 32):
         super().__init__()
         self.features = nn.Sequential(
@@ -113,6 +115,8 @@ def mixprec_digits_cnn(pretrained: bool = False, **kwargs) -> DigitsCNN:
 
 class DigitsMLP(nn.Module):
     """No BatchNorm, no dropout: data-parallel and single-process runs must match it exactly."""
+
+    pretrained_cfg = {"classifier": "net.4"}
 
     def __init__(self, num_classes: int = 10, in_chans: int = 1, width: int = 128):
         super().__init__()

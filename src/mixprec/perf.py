@@ -222,6 +222,16 @@ def stated_flops(model: torch.nn.Module, seq_len: int, owned: set[str]) -> tuple
     return model.flops_per_token(seq_len) * seq_len, in_owned * seq_len
 
 
+def blended_peak(peak: float | None, other: float | None, share: float) -> float | None:
+    """The dense peak of a run with `share` of its FLOPs at `other`'s peak and the rest at
+    `peak`'s: each FLOP takes 1/peak of its kind (the FLOP-weighted harmonic mean)."""
+    if not share:
+        return peak
+    if not peak or not other:
+        return None  # no honest MFU without both peaks
+    return 1.0 / (share / other + (1.0 - share) / peak)
+
+
 def mfu(
     flops_per_sample: int | None,
     samples_per_s: float | None,
