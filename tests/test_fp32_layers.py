@@ -110,3 +110,22 @@ def test_mfu_counts_kept_flops_at_the_fp32_peak(cfg_factory):
     assert 0 < share < 0.5 and prec.kept == ["head"]
     expected = 1 / (share / 100.0 + (1 - share) / 1000.0)  # bf16 runs with TF32 on
     assert p.peak_tflops == pytest.approx(expected)
+
+
+def test_the_audit_counts_kept_layers_as_fp32_and_survives_a_counter_that_fails(monkeypatch):
+    from mixprec import diagnose
+
+    model = net()
+    fp32_layers.keep(model, ["3"], "cpu", set())
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    x = torch.randn(4, 16)
+    with_kept = diagnose.audit(model, x, bf16, {"3": "float32 (kept)"})
+    plain = diagnose.audit(net(), x, bf16, {})
+    assert with_kept["low_precision_share"] < plain["low_precision_share"]
+
+    def refuse(model, run_forward):  # torch's counter and grouped-query attention on a GPU
+        raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
+
+    monkeypatch.setattr(diagnose, "_module_flops", refuse)
+    result = diagnose.audit(net(), x, bf16, {})
+    assert result["modules"] and result["low_precision_share"] == 0
