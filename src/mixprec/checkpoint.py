@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from omegaconf import MISSING
 
 from . import files
@@ -62,8 +63,6 @@ def rng_state() -> dict[str, Any]:
 def rng_states() -> list[dict[str, Any]]:
     """Every rank's RNG state, by rank (rank r's dropout draws are its own): a collective that
     every rank calls, so that a resume restores each rank's own state."""
-    import torch.distributed as dist
-
     mine = rng_state()
     if not (dist.is_available() and dist.is_initialized()):
         return [mine]
@@ -74,8 +73,6 @@ def rng_states() -> list[dict[str, Any]]:
 
 def restore_rng(saved: dict | list) -> None:
     """This rank's state (checkpoints before per-rank states held rank 0's alone)."""
-    import torch.distributed as dist
-
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if isinstance(saved, dict):
         return set_rng_state(saved)

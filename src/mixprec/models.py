@@ -99,18 +99,14 @@ class DigitsCNN(nn.Module):
         return self.head(x)
 
 
-# timm.create_model passes these to every entry point; the rest are the model's own arguments,
-# so an unknown `+model.kwargs.x` is a TypeError (a config error), not silently dropped
-TIMM_OWN_ARGS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
-
-
-def model_args(kwargs: dict) -> dict:
-    return {k: v for k, v in kwargs.items() if k not in TIMM_OWN_ARGS}
-
-
+# timm.create_model passes pretrained_cfg, pretrained_cfg_overlay and cache_dir to every entry
+# point; naming them leaves **kw the model's own arguments, so an unknown `+model.kwargs.x` is a
+# TypeError (a config error), not silently dropped (llama.mixprec_llama does the same)
 @register_model
-def mixprec_digits_cnn(pretrained: bool = False, **kwargs) -> DigitsCNN:
-    return DigitsCNN(**model_args(kwargs))
+def mixprec_digits_cnn(
+    pretrained=False, pretrained_cfg=None, pretrained_cfg_overlay=None, cache_dir=None, **kw
+) -> DigitsCNN:
+    return DigitsCNN(**kw)
 
 
 class DigitsMLP(nn.Module):
@@ -134,8 +130,10 @@ class DigitsMLP(nn.Module):
 
 
 @register_model
-def mixprec_digits_mlp(pretrained: bool = False, **kwargs) -> DigitsMLP:
-    return DigitsMLP(**model_args(kwargs))
+def mixprec_digits_mlp(
+    pretrained=False, pretrained_cfg=None, pretrained_cfg_overlay=None, cache_dir=None, **kw
+) -> DigitsMLP:
+    return DigitsMLP(**kw)
 
 
 def check_name(name: str) -> None:

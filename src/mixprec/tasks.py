@@ -15,8 +15,16 @@ import torch.nn.functional as F
 from . import metrics
 
 
+class _Task:
+    name: str
+
+    def evaluated(self) -> list[metrics.Metric]:
+        """The validation metrics evaluate() sums over batches for this task."""
+        return metrics.evaluated(self.name)
+
+
 @dataclass(frozen=True)
-class Classify:
+class Classify(_Task):
     """A label per input: cross-entropy, top-1 accuracy."""
 
     name: str = "classify"
@@ -37,15 +45,12 @@ class Classify:
     def tokens(self, shape) -> int:
         return 1
 
-    def evaluated(self) -> list[metrics.Metric]:
-        return metrics.evaluated(self.name)
-
     def derived(self, val: dict) -> dict:
         return {}
 
 
 @dataclass(frozen=True)
-class LanguageModel:
+class LanguageModel(_Task):
     """Next-token prediction at every position of a sequence: inputs and targets are (batch,
     sequence) token ids, the loss is the mean cross-entropy per token (nats), and validation
     adds perplexity and, where a token's bytes are known, bits per byte."""
@@ -67,9 +72,6 @@ class LanguageModel:
 
     def tokens(self, shape) -> int:
         return int(shape[0])
-
-    def evaluated(self) -> list[metrics.Metric]:
-        return metrics.evaluated(self.name)
 
     def derived(self, val: dict) -> dict:
         loss = val.get("val/loss")

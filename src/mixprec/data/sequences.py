@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from .base import Context
+from .base import Context, Data
 
 
 def windows(n_tokens: int, seq_len: int) -> int:
@@ -42,29 +42,47 @@ class TokenLoader:
         self.epoch, self.skip = epoch, skip
 
     def _mine(self) -> torch.Tensor:
-        """This rank's window indices for the epoch (every rank the same count when training)."""
+        """This rank's window starts for the epoch (every rank the same count), on the device:
+        copied there once per epoch, not once per step (a copy from pageable host memory
+        waits for the GPU's queue)."""
         if self.shuffle:
             g = torch.Generator().manual_seed(self.ctx.seed + self.epoch)
             order = torch.randperm(self.n, generator=g)[: self.per_rank * self.ctx.world]
         else:
             order = torch.arange(self.per_rank * self.ctx.world)
-        return order[self.ctx.rank :: self.ctx.world]
+        return (order[self.ctx.rank :: self.ctx.world] * self.seq_len).to(self.ctx.device)
 
     def __iter__(self):
-        mine, b = self._mine(), self.ctx.batch
+        starts, b = self._mine(), self.ctx.batch
         for i in range(self.skip, len(self)):
-            starts = (mine[i * b : (i + 1) * b] * self.seq_len).to(self.ctx.device)
-            chunk = self.stream[starts[:, None] + self.offsets].long()
+            chunk = self.stream[starts[i * b : (i + 1) * b, None] + self.offsets].long()
             yield chunk[:, :-1], chunk[:, 1:]
 
     def close(self) -> None:  # no workers to stop
         pass
 
 
+def token_data(train: np.ndarray, val: np.ndarray, cfg, ctx: Context, vocab: int, task) -> Data:
+    """A token dataset's Data: the two streams on the device, an epoch of cfg.epoch_sequences
+    training windows, cfg.val_sequences validation windows (data=text, data=tokens)."""
+    return Data(
+        train=TokenLoader(
+            on_device(train, ctx.device), cfg.seq_len, ctx, True, limit=cfg.epoch_sequences
+        ),
+        val=TokenLoader(
+            on_device(val, ctx.device), cfg.seq_len, ctx, shuffle=False, limit=cfg.val_sequences
+        ),
+        num_classes=vocab,
+        input_shape=(cfg.seq_len,),
+        task=task,
+    )
+
+
 def on_device(tokens: np.ndarray, device: torch.device) -> torch.Tensor:
-    """The token stream as a device tensor, in the smallest dtype that holds its ids."""
+    """The token stream as a device tensor: bytes stay uint8, wider ids become int32 (torch
+    indexes neither uint16 nor uint32)."""
     t = torch.from_numpy(np.array(tokens))  # a copy: memmaps and bytes buffers are read-only
-    if t.dtype == torch.uint16 or (t.dtype == torch.uint32):
+    if t.dtype in (torch.uint16, torch.uint32):
         t = t.to(torch.int32)
     return t.to(device)
 

@@ -20,7 +20,7 @@ from omegaconf import MISSING
 from ..errors import check
 from ..tasks import LanguageModel
 from .base import Context, Data
-from .sequences import TokenLoader, need_windows, on_device, unigram_nats
+from .sequences import need_windows, token_data, unigram_nats
 
 log = logging.getLogger("mixprec.data")
 VOCAB = 256
@@ -96,14 +96,4 @@ def build(cfg: Config, ctx: Context) -> Data:
         len(val) / 1e6,
         unigram_nats(val, VOCAB),
     )
-    return Data(
-        train=TokenLoader(
-            on_device(train, ctx.device), cfg.seq_len, ctx, True, limit=cfg.epoch_sequences
-        ),
-        val=TokenLoader(
-            on_device(val, ctx.device), cfg.seq_len, ctx, shuffle=False, limit=cfg.val_sequences
-        ),
-        num_classes=VOCAB,
-        input_shape=(cfg.seq_len,),
-        task=TASK,
-    )
+    return token_data(train, val, cfg, ctx, VOCAB, TASK)

@@ -16,7 +16,7 @@ from omegaconf import MISSING
 from ..errors import ConfigError, check, one_of
 from ..tasks import LanguageModel
 from .base import Context, Data
-from .sequences import TokenLoader, need_windows, on_device
+from .sequences import need_windows, token_data
 
 log = logging.getLogger("mixprec.data")
 TASK = LanguageModel()  # bytes per token unknown: perplexity, no bits per byte
@@ -94,14 +94,4 @@ def build(cfg: Config, ctx: Context) -> Data:
         cfg.dtype,
         cfg.vocab_size,
     )
-    return Data(
-        train=TokenLoader(
-            on_device(train, ctx.device), cfg.seq_len, ctx, True, limit=cfg.epoch_sequences
-        ),
-        val=TokenLoader(
-            on_device(val, ctx.device), cfg.seq_len, ctx, shuffle=False, limit=cfg.val_sequences
-        ),
-        num_classes=cfg.vocab_size,
-        input_shape=(cfg.seq_len,),
-        task=TASK,
-    )
+    return token_data(train, val, cfg, ctx, cfg.vocab_size, TASK)
