@@ -21,6 +21,7 @@ from . import (
     loop,
     models,
     optim,
+    optim_states,
     perf,
     precision,
     process,
@@ -170,6 +171,8 @@ def assemble(
         x = example(c, spec.input_shape, device, spec.batch, spec.num_classes, spec.task)
         compiling.capture_graphs(models.unwrap(model), x, prec)
     model = compiling.compiled(model, c.model)
+    clipping = c.trainer.clip_grad_norm is not None
+    optim_states.check_run(c.optimizer, device, dd.world, prec.scaling, clipping)
     return model, optim.build_optimizer(c.optimizer, models.unwrap(model), lr, device)
 
 

@@ -166,17 +166,22 @@ def check_fits(blob: dict, path: Path, run: dict) -> None:
         )
 
 
+_SAME = [("optimizer", "name"), ("optimizer", "state"), ("optimizer", "offload")]
+_SAME += [("scheduler", "name")]  # what a resume must keep: the state's layout depends on them
+
+
 def check_config(blob: dict, path: Path, run: dict) -> None:
     """The resumed run must train what the checkpoint trained: the same optimizer and schedule
     (named as such, not as a mismatch of their states) and the same data (a moved `data.root`
     is fine; another split or shape would continue from a position in other data)."""
     saved = blob.get("config") or {}
-    for group in ("optimizer", "scheduler"):
-        was, now = (saved.get(group) or {}).get("name"), (run.get(group) or {}).get("name")
+    for group, key in _SAME:
+        was, now = (saved.get(group) or {}).get(key), (run.get(group) or {}).get(key)
+        name = group if key == "name" else f"{group}.{key}"
         if was and now and was != now:
             raise CheckpointError(
-                f"checkpoint {path} was written with another {group} ({group}={was}; this run "
-                f"has {group}={now}); resume with {group}={was}, or start a new run without "
+                f"checkpoint {path} was written with another {group} ({name}={was}; this run "
+                f"has {name}={now}); resume with {name}={was}, or start a new run without "
                 "resume"
             )
     was, now = saved.get("data") or {}, run.get("data") or {}
@@ -225,10 +230,15 @@ def restore(blob: dict, path: Path, learner) -> dict:
     return blob["state"]
 
 
+def _group_keys(state: dict) -> set:
+    """The param groups' keys (CPUOffloadOptimizer: its inner optimizers' groups)."""
+    inner = [*state.get("offloaded", []), *([state["on-device"]] if "on-device" in state else [])]
+    groups = [g for s in [state, *inner] for g in s.get("param_groups", [])]
+    return {k for g in groups for k in g if k != "params"}
+
+
 def _load_optimizer(optimizer, saved: dict) -> None:
-    groups = optimizer.state_dict()["param_groups"]
-    keys = {k for g in groups for k in g if k != "params"}
-    saved_keys = {k for g in saved.get("param_groups", []) for k in g if k != "params"}
+    keys, saved_keys = _group_keys(optimizer.state_dict()), _group_keys(saved)
     if keys != saved_keys:  # torch loads a foreign optimizer's state silently, then fails later
         raise ValueError(f"param group keys {sorted(saved_keys ^ keys)} differ")
     optimizer.load_state_dict(saved)

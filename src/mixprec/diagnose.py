@@ -200,10 +200,13 @@ def markdown(result: dict, precision: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def on_run(model: nn.Module, x: torch.Tensor, prec, tracker, run_dir: Path) -> None:
-    """diagnose=true: the audit into the run dir and the loggers (the gradient histograms are
-    the ledger's, on logged steps: ledger.py)."""
-    result = audit(model, x, prec.autocast, prec.audited())
+def on_run(parts, tracker) -> None:
+    """diagnose=true: the audit of a run's model (build.Parts) into the run dir and the loggers
+    (the gradient histograms are the ledger's, on logged steps: ledger.py)."""
+    from .models import unwrap
+
+    prec, run_dir = parts.learner.precision, parts.run_dir
+    result = audit(unwrap(parts.learner.model), parts.example(), prec.autocast, prec.audited())
     (run_dir / "diagnose.md").write_text(markdown(result, prec.name))
     (run_dir / "diagnose.json").write_text(json.dumps(result, indent=1))
     log.info(
@@ -240,15 +243,24 @@ def loss_scale_plot(run_dir: Path) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m mixprec.diagnose [overrides...]`: the audit for a config, without training."""
+    """`python -m mixprec.diagnose [overrides...]`: the audit for a config, without training;
+    `python -m mixprec.diagnose RUN_DIR`: what the precision doctor found in a run."""
     from hydra.errors import HydraException
 
     from .build import audit_inputs
     from .config import compose_config, validate
+    from .doctor import shown
     from .errors import MixprecError
 
+    argv = argv if argv is not None else sys.argv[1:]
+    if len(argv) == 1 and "=" not in argv[0] and Path(argv[0]).is_dir():
+        if not (Path(argv[0]) / "summary.json").is_file():
+            print(f"config error: {argv[0]} holds no summary.json (not a run dir)", file=sys.stderr)
+            raise SystemExit(2)
+        print(shown(Path(argv[0])))
+        return
     try:
-        cfg = compose_config(argv if argv is not None else sys.argv[1:])
+        cfg = compose_config(argv)
         model, x, prec = audit_inputs(validate(cfg))
     except MixprecError as e:  # as train.py: one line and its exit code, no traceback
         print(f"{e.label}: {e}", file=sys.stderr)

@@ -107,13 +107,16 @@ def plain(v: Any) -> Any:
     return v.item() if hasattr(v, "item") else str(v)
 
 
-def finite(obj: dict) -> dict:
-    return {
-        k: plain(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in obj.items()
-    }
+def finite(obj: Any) -> Any:
+    """inf/nan as strings, in nested dicts and lists too (the doctor's findings)."""
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [finite(v) for v in obj]
+    return plain(obj) if isinstance(obj, float) and not math.isfinite(obj) else obj
 
 
 def write_json(path: Path, obj: Any) -> Path:
     """`obj` as indented JSON, atomically (summary.json, wandb.json, caches)."""
-    text = json.dumps(finite(obj) if isinstance(obj, dict) else obj, indent=2, default=plain)
+    text = json.dumps(finite(obj), indent=2, default=plain)
     return write_atomic(path, text + "\n")

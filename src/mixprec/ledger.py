@@ -13,7 +13,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .distributed import Dist
-from .errors import Preempted
+from .doctor import Doctor
+from .errors import Diverged, Preempted
 from .perf import Throughput
 from .safety import DivergenceGuard, StopSignals
 from .tracking import Tracker
@@ -36,6 +37,7 @@ class Hooks:
     dist: Dist = field(default_factory=Dist)  # no_sync, reduce and the world size
     progress: bool = False  # a progress bar on the terminal
     grad_histograms: bool = False  # histograms of the true gradients on logged steps (diagnose)
+    doctor: Doctor = field(default_factory=Doctor)  # names the layer that overflowed
 
 
 class StepLedger:
@@ -89,6 +91,7 @@ class StepLedger:
             micro_batches = list(itertools.islice(source, self.plan.accum))
             if len(micro_batches) < self.plan.accum:
                 return
+            self.hooks.doctor.remember(micro_batches)
             yield micro_batches
 
     def wants_grad_norm(self) -> bool:
@@ -113,10 +116,12 @@ class StepLedger:
             )
             self.started = None
 
-    def settle_late(self) -> None:
-        """train_step's before_step: the next step's forward and backward are queued."""
+    def settle_late(self, loss: torch.Tensor) -> None:
+        """train_step's before_step: the next step's forward and backward are queued (`loss`
+        is theirs; debug.locate looks at it before the weights move)."""
         out, self.pending = self.pending, None
         self._settle(out, late=True)
+        self.hooks.doctor.before_update(self.state.step + 1, loss)
 
     def settle_pending(self) -> None:
         out, self.pending = self.pending, None
@@ -161,6 +166,7 @@ class StepLedger:
                 self._log_row(out)
         else:  # overflow: the scaler backed off; weights and LR stay put
             state.skipped_steps += 1
+        hooks.doctor.after_step(state.step + (not stepped), stepped)
         if not late:  # the next forward has not run: the model is this step's
             self._act_on(stepped)
 
@@ -189,15 +195,19 @@ class StepLedger:
 
     def _check(self, out) -> None:
         prec = self.learner.precision
-        self.hooks.guard.check(
-            self.state.step,
-            float(out.loss),
-            prec.loss_scale() if prec.scaling else None,
-            self._lr(),
-        )
+        try:
+            self.hooks.guard.check(
+                self.state.step,
+                float(out.loss),
+                prec.loss_scale() if prec.scaling else None,
+                self._lr(),
+            )
+        except Diverged as e:  # the doctor re-runs the latest batch once: which layer?
+            e.args = (str(e) + self.hooks.doctor.on_divergence(self.state.step),)
+            raise
 
     def _lr(self) -> float:
-        return self.learner.optimizer.param_groups[-1]["lr"]
+        return float(self.learner.optimizer.param_groups[-1]["lr"])  # torchao's: a tensor
 
     def _log_row(self, out) -> None:
         hooks, state = self.hooks, self.state

@@ -96,7 +96,7 @@ def train_step(
     clip_grad_norm: float | None = None,
     want_grad_norm: bool = False,
     no_sync: Callable = lambda model: nullcontext(),
-    before_step: Callable[[], None] = lambda: None,
+    before_step: Callable[[torch.Tensor], None] = lambda loss: None,
     want_grads: bool = False,
 ) -> StepResult:
     """One optimizer step over `accum` micro-batches, in any precision."""
@@ -111,11 +111,11 @@ def train_step(
             prec.scaler.scale(loss).backward()  # scale up so small fp16 grads do not flush to 0
             learner.bn_guard.keep_if_finite(loss, stats)  # an fp16 overflow must not poison BN
         total = total + loss.detach()
-    before_step()  # the ledger settles the previous step here, while the GPU runs this backward
+    before_step(total)  # the ledger settles the previous step while the GPU runs this backward
     prec.scaler.unscale_(optimizer)  # true gradients from here on: once per optimizer step
     grad_norm = grads = None
     if clip_grad_norm is not None or want_grad_norm:  # clip the true gradients / measure them
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        params = [p for p in model.parameters() if p.grad is not None]  # (not offloaded ones)
         grad_norm = (
             clip_grad_norm_(params, clip_grad_norm)
             if clip_grad_norm is not None

@@ -15,6 +15,7 @@ from omegaconf import MISSING
 from timm.optim import create_optimizer_v2
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 
+from . import optim_states
 from .errors import CheckpointError, ConfigError, check, one_of
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,12 @@ class OptimizerConfig:
     nesterov: Optional[bool] = None  # sgd
     betas: Optional[List[float]] = None  # adamw
     eps: Optional[float] = None  # adamw
+    state: str = "fp32"  # adamw's moments in fp32, 8bit, 4bit or fp8 (torchao: optim_states.py)
+    offload: str = "none"  # cpu: the state in host memory, the step on the CPU (torchao)
 
     def __post_init__(self) -> None:
         _only_its_keys("optimizer", self, OPTIMIZER_KEYS)
+        optim_states.check_config(self)
         check(math.isfinite(self.lr) and self.lr > 0, "optimizer.lr", self.lr, "finite and > 0")
         check(self.base_batch >= 1, "optimizer.base_batch", self.base_batch, "an int >= 1")
         one_of("optimizer.scale_lr", self.scale_lr, LR_SCALING)
@@ -140,7 +144,9 @@ def scaled_lr(ocfg: OptimizerConfig, effective_batch: int) -> float:
 
 
 def use_fused(ocfg: OptimizerConfig, device_type: str) -> bool:
-    """Fused kernels (one multi-tensor launch per step) by default on CUDA."""
+    """Fused kernels (one multi-tensor launch per step) by default on CUDA (not torchao's)."""
+    if optim_states.used(ocfg):
+        return False
     if ocfg.fused is not None:
         return ocfg.fused
     return device_type == "cuda" and ocfg.foreach is None
@@ -161,6 +167,8 @@ def zero_momentum(optimizer: torch.optim.Optimizer) -> None:
 def build_optimizer(
     ocfg: OptimizerConfig, model: torch.nn.Module, lr: float, device: torch.device
 ) -> torch.optim.Optimizer:
+    if optim_states.used(ocfg):  # low-bit states or CPU offload: torchao's optimizers
+        return optim_states.build(ocfg, model, lr)
     fused = use_fused(ocfg, device.type)
     kwargs = dict(fused=True) if fused else dict(foreach=ocfg.foreach)
     kwargs.update(
@@ -228,13 +236,17 @@ def rebase_lr(scheduler: LRScheduler, optimizer: torch.optim.Optimizer, lr: floa
     """A resumed run whose lr differs from the checkpoint's: the schedule goes on from its step
     with `lr` as its base, so what trains is what the log, summary and W&B say. Returns whether
     it changed anything; a schedule that cannot take a new base (onecycle) is refused."""
-    if all(math.isclose(b, lr, rel_tol=1e-9) for b in scheduler.base_lrs):
+    if all(math.isclose(b, lr, rel_tol=1e-6) for b in scheduler.base_lrs):  # fp32 tensors too
         return False
     if not isinstance(scheduler, LambdaLR):
         raise ValueError("scheduler=onecycle plans its lr from the start; it cannot take a new lr")
     scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
-        group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
+        group["initial_lr"], now = lr, lr * factor(scheduler.last_epoch)
+        if isinstance(group["lr"], torch.Tensor):  # torchao's optimizers keep it as a tensor
+            group["lr"].fill_(now)
+        else:
+            group["lr"] = now
     return True
 
 

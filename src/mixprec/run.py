@@ -35,9 +35,9 @@ from . import (
     sweep,
 )
 from .config import validate
+from .doctor import Doctor
 from .errors import CheckpointError, DiskFull, Diverged, MixprecError, OutOfMemory, Preempted
 from .ledger import Hooks, model_tensors
-from .models import unwrap
 from .safety import DivergenceGuard, StopSignals
 from .tracking import Tracker
 
@@ -214,13 +214,7 @@ class Session:
         if p.layout.max_batch is not None:
             self.tracker.log({"mem/max_batch": p.layout.max_batch}, self.state.step)
         if c.diagnose:
-            diagnose.on_run(
-                unwrap(p.learner.model),
-                p.example(),
-                p.learner.precision,
-                self.tracker,
-                p.run_dir,
-            )
+            diagnose.on_run(p, self.tracker)
         meter = p.meter()
         guard = DivergenceGuard(
             p.device,
@@ -241,6 +235,7 @@ class Session:
             p.dist,
             progress=sys.stderr.isatty() and p.dist.main,
             grad_histograms=c.diagnose,
+            doctor=Doctor(None if c.model.cuda_graphs else p.learner, c.debug.locate),
         )
 
     def _save(self, state: loop.TrainState) -> None:
@@ -256,7 +251,8 @@ class Session:
         learner, state = self.p.learner, self.state
         loss_ok = state.last_loss is None or math.isfinite(state.last_loss)
         if not (loss_ok and hooks.guard.healthy(model_tensors(learner.model))):
-            raise Diverged(messages.diverged(state.step, learner.precision.on_divergence()))
+            why = messages.diverged(state.step, learner.precision.on_divergence())
+            raise Diverged(why + hooks.doctor.on_divergence(state.step))
         if self.p.config.ckpt.at_end:
             self._save(state)
         self.status = "completed"
@@ -277,6 +273,8 @@ class Session:
             if self.error is not None:
                 log.error("summary.json could not be written either: %s", e)
             self.status, self.error = "failed", self.error or e
+        if hooks.doctor.findings:
+            self.tracker.table("doctor/findings", hooks.doctor.findings)
         self.tracker.close(self.status)
         if self.p.config.diagnose and self.p.dist.main:
             diagnose.loss_scale_plot(self.p.run_dir)

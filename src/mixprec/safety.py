@@ -29,6 +29,7 @@ class DebugConfig:
     detect_anomaly: bool = MISSING  # autograd anomaly mode: names the op that made a NaN (slow)
     max_bad_steps: int = MISSING  # stop after this many consecutive non-finite losses
     min_loss_scale: float = MISSING  # stop when the fp16 loss scale collapses below this
+    locate: bool = False  # the doctor names the layer of the first overflowing steps (doctor.py)
 
     def __post_init__(self) -> None:
         check(self.max_bad_steps >= 1, "debug.max_bad_steps", self.max_bad_steps, ">= 1")

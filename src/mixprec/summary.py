@@ -81,6 +81,7 @@ def of_session(s) -> dict:
         grad_checkpointing=c.model.grad_checkpointing,
         memory_cap_gib=p.hw.memory_gib,
         checkpoint=str(s.ckpt) if s.ckpt.exists() else None,
+        doctor=s.hooks.doctor.findings,  # where steps overflowed (doctor.py)
         first_step_s=meter.first_step_s,
         compile_s=perf.compile_s(),
         compile_first_step_s=meter.compile_first_s,

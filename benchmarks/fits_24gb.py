@@ -1,0 +1,142 @@
+"""What fits on a 24 GB card, per memory technique: the deepest Llama (1B-shaped layers: d_model
+2048, FFN 8192, 32 heads / 8 KV heads; one sequence of 2,048 bytes per step) that trains under
+`hardware=rtx3090` (the process capped at 24 GiB) with fp32, amp, amp + activation
+checkpointing, + 8-bit AdamW states, and bf16 + checkpointing + CPU offload of the optimizer
+(offload takes no GradScaler). And the seeds' "checkpointing trades 30 % compute for 50 %
+memory", measured on that model: step time and peak memory with and without it.
+
+Per technique: two probe runs (2 and 6 layers) give peak memory = a + b x layers; the depth
+predicted to fill the cap is run, then one layer more, stepping down until one completes.
+Every probe is train.py's own run (run.run, in this process), eager, 13 optimizer steps (10 timed).
+
+    python3 benchmarks/fits_24gb.py --out fits.json          # one H200: about 4 minutes
+
+Measured rows: benchmarks/RESULTS.md ("What fits on a 24 GB card").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from mixprec import run
+from mixprec.config import compose_config
+from mixprec.errors import MixprecError
+
+BASE = [
+    "hardware=rtx3090",
+    "model=llama_1b",
+    "data=text",
+    "data.seq_len=2048",
+    "data.val_sequences=2",
+    "batch=1",
+    "optimizer=adamw",
+    "optimizer.scale_lr=none",
+    "trainer.max_steps=13",
+    "trainer.perf_warmup_steps=3",
+    "trainer.log_every=5",
+    "trainer.clip_grad_norm=null",
+    "ckpt.at_end=false",
+    "logger=none",
+]
+TECHNIQUES = {
+    "fp32": ["precision=fp32"],
+    "amp": ["precision=amp"],
+    "amp + checkpointing": ["precision=amp", "model.grad_checkpointing=true"],
+    "amp + checkpointing + 8-bit states": [
+        "precision=amp",
+        "model.grad_checkpointing=true",
+        "optimizer.state=8bit",
+    ],
+    "bf16 + checkpointing + CPU offload": [
+        "precision=bf16",
+        "model.grad_checkpointing=true",
+        "optimizer.offload=cpu",
+    ],
+}
+D, FFN, VOCAB = 2048, 8192, 256
+PER_LAYER = D * D * 2 + 2 * D * (D // 4) + 3 * D * FFN + 2 * D  # q,o; k,v (8 of 32 heads); FFN
+CAP_GIB = 24.0
+
+
+def params(layers: int) -> int:
+    return layers * PER_LAYER + 2 * VOCAB * D + D
+
+
+def probe(extra: list[str], layers: int, out: Path) -> dict:
+    cfg = compose_config([*BASE, *extra, f"model.kwargs.n_layers={layers}"])
+    cfg.run_dir = str(out / f"{'_'.join(e.split('=')[-1] for e in extra)}-{layers}")
+    t0 = time.monotonic()
+    try:
+        s = run.run(cfg)
+        row = {"ok": s["status"] == "completed", "peak_gib": s["peak_mem_gib"]}
+        row.update(step_ms=1000 * s["batch"] / s["samples_per_s"] if s["samples_per_s"] else None)
+    except MixprecError as e:
+        row = {"ok": False, "error": type(e).__name__}
+    finally:
+        torch.cuda.empty_cache()
+    print(f"  {layers:3d} layers {extra}: {row} ({time.monotonic() - t0:.0f} s)", flush=True)
+    return {"layers": layers, **row}
+
+
+def deepest(extra: list[str], out: Path) -> dict:
+    small, large = probe(extra, 2, out), probe(extra, 6, out)
+    probes = [small, large]
+    if not (small["ok"] and large["ok"]):
+        return {"probes": probes, "max_layers": 0 if not small["ok"] else 2}
+    per_layer = (large["peak_gib"] - small["peak_gib"]) / 4
+    fixed = small["peak_gib"] - 2 * per_layer
+    guess = max(7, math.floor((CAP_GIB * 0.98 - fixed) / per_layer))
+    best, layers = 6, guess
+    while layers > 6 and layers > guess - 3:  # the fit is good to a layer or two
+        probes.append(p := probe(extra, layers, out))
+        if p["ok"]:
+            best = layers
+            probes.append(p := probe(extra, layers + 1, out))
+            best += p["ok"]
+            break
+        layers -= 1
+    return {
+        "probes": probes,
+        "gib_per_layer": per_layer,
+        "gib_fixed": fixed,
+        "max_layers": best,
+        "max_params_b": params(best) / 1e9,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("fits_24gb.json"))
+    ap.add_argument("--runs", type=Path, default=Path("/tmp/mixprec-fits"))
+    args = ap.parse_args()
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": {}}
+    for name, extra in TECHNIQUES.items():
+        print(f"{name}:", flush=True)
+        result["rows"][name] = deepest(extra, args.runs)
+        args.out.write_text(json.dumps(result, indent=1))
+    print("\n| technique | deepest that trains | weights | GiB per layer | fixed GiB |")
+    print("|---|---|---|---|---|")
+    for name, r in result["rows"].items():
+        print(
+            f"| {name} | {r['max_layers']} layers | {r.get('max_params_b', 0):.2f} B | "
+            f"{r.get('gib_per_layer', float('nan')):.2f} | {r.get('gib_fixed', float('nan')):.2f} |"
+        )
+    amp = {p["layers"]: p for p in result["rows"]["amp"]["probes"] if p["ok"]}
+    ckpt = {p["layers"]: p for p in result["rows"]["amp + checkpointing"]["probes"] if p["ok"]}
+    if 6 in amp and 6 in ckpt and amp[6]["step_ms"] and ckpt[6]["step_ms"]:
+        result["checkpointing_6_layers"] = {
+            "step_time_ratio": ckpt[6]["step_ms"] / amp[6]["step_ms"],
+            "peak_ratio": ckpt[6]["peak_gib"] / amp[6]["peak_gib"],
+        }
+        print(f"\ncheckpointing at 6 layers (amp): {result['checkpointing_6_layers']}")
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
