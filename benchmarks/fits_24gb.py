@@ -7,7 +7,8 @@ memory", measured on that model: step time and peak memory with and without it.
 
 Per technique: two probe runs (2 and 6 layers) give peak memory = a + b x layers; the depth
 predicted to fill the cap is run, then one layer more, stepping down until one completes.
-Every probe is train.py's own run (run.run, in this process), eager, 13 optimizer steps (10 timed).
+Every probe is train.py's own run (run.run, in this process), eager, 4 optimizer steps; the
+checkpointing pair runs 13 (10 timed).
 
     python3 benchmarks/fits_24gb.py --out fits.json          # one H200: about 4 minutes
 
@@ -17,6 +18,7 @@ Measured rows: benchmarks/RESULTS.md ("What fits on a 24 GB card").
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import time
@@ -37,9 +39,9 @@ BASE = [
     "batch=1",
     "optimizer=adamw",
     "optimizer.scale_lr=none",
-    "trainer.max_steps=13",
-    "trainer.perf_warmup_steps=3",
-    "trainer.log_every=5",
+    "trainer.max_steps=4",
+    "trainer.perf_warmup_steps=0",
+    "trainer.log_every=2",
     "trainer.clip_grad_norm=null",
     "ckpt.at_end=false",
     "logger=none",
@@ -62,19 +64,22 @@ TECHNIQUES = {
 D, FFN, VOCAB = 2048, 8192, 256
 PER_LAYER = D * D * 2 + 2 * D * (D // 4) + 3 * D * FFN + 2 * D  # q,o; k,v (8 of 32 heads); FFN
 CAP_GIB = 24.0
+RUNS = itertools.count()
 
 
 def params(layers: int) -> int:
     return layers * PER_LAYER + 2 * VOCAB * D + D
 
 
-def probe(extra: list[str], layers: int, out: Path) -> dict:
-    cfg = compose_config([*BASE, *extra, f"model.kwargs.n_layers={layers}"])
-    cfg.run_dir = str(out / f"{'_'.join(e.split('=')[-1] for e in extra)}-{layers}")
+def probe(extra: list[str], layers: int, out: Path, timed: bool = False) -> dict:
+    steps = ["trainer.max_steps=13", "trainer.perf_warmup_steps=3"] if timed else []
+    cfg = compose_config([*BASE, *extra, *steps, f"model.kwargs.n_layers={layers}"])
+    cfg.run_dir = str(out / f"{next(RUNS)}-{'_'.join(e.split('=')[-1] for e in extra)}-{layers}")
     t0 = time.monotonic()
     try:
         s = run.run(cfg)
         row = {"ok": s["status"] == "completed", "peak_gib": s["peak_mem_gib"]}
+        row.update(after_step_gib=s.get("after_step_gib"))
         row.update(step_ms=1000 * s["batch"] / s["samples_per_s"] if s["samples_per_s"] else None)
     except MixprecError as e:
         row = {"ok": False, "error": type(e).__name__}
@@ -97,8 +102,11 @@ def deepest(extra: list[str], out: Path) -> dict:
         probes.append(p := probe(extra, layers, out))
         if p["ok"]:
             best = layers
-            probes.append(p := probe(extra, layers + 1, out))
-            best += p["ok"]
+            for more in range(layers + 1, layers + 4):  # up while it still fits
+                probes.append(p := probe(extra, more, out))
+                if not p["ok"]:
+                    break
+                best = more
             break
         layers -= 1
     return {
@@ -127,12 +135,14 @@ def main() -> None:
             f"| {name} | {r['max_layers']} layers | {r.get('max_params_b', 0):.2f} B | "
             f"{r.get('gib_per_layer', float('nan')):.2f} | {r.get('gib_fixed', float('nan')):.2f} |"
         )
-    amp = {p["layers"]: p for p in result["rows"]["amp"]["probes"] if p["ok"]}
-    ckpt = {p["layers"]: p for p in result["rows"]["amp + checkpointing"]["probes"] if p["ok"]}
-    if 6 in amp and 6 in ckpt and amp[6]["step_ms"] and ckpt[6]["step_ms"]:
+    amp = probe(TECHNIQUES["amp"], 6, args.runs, timed=True)
+    ckpt = probe(TECHNIQUES["amp + checkpointing"], 6, args.runs, timed=True)
+    if amp.get("step_ms") and ckpt.get("step_ms"):
         result["checkpointing_6_layers"] = {
-            "step_time_ratio": ckpt[6]["step_ms"] / amp[6]["step_ms"],
-            "peak_ratio": ckpt[6]["peak_gib"] / amp[6]["peak_gib"],
+            "amp": amp,
+            "amp + checkpointing": ckpt,
+            "step_time_ratio": ckpt["step_ms"] / amp["step_ms"],
+            "peak_ratio": ckpt["peak_gib"] / amp["peak_gib"],
         }
         print(f"\ncheckpointing at 6 layers (amp): {result['checkpointing_6_layers']}")
     args.out.write_text(json.dumps(result, indent=1))

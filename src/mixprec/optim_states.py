@@ -111,6 +111,13 @@ def _offload_optimizer() -> type:
             self._optimizer_step_pre_hooks: dict = OrderedDict()
             self._optimizer_step_post_hooks: dict = OrderedDict()
 
+        def load_state_dict(self, state_dict) -> None:
+            """The moments, and the host's copy of the weights from the device's: a resume
+            loads the model's weights after this optimizer copied the fresh ones to the host."""
+            super().load_state_dict(state_dict)
+            for p_device, p_host in self.param_d2h_map.items():
+                p_host.copy_(p_device.detach())
+
         def step(self, closure=None):
             for hook in list(self._optimizer_step_pre_hooks.values()):
                 hook(self, (), {})
