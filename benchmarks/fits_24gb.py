@@ -7,7 +7,7 @@ memory", measured on that model: step time and peak memory with and without it.
 
 Per technique: two probe runs (2 and 6 layers) give peak memory = a + b x layers; the depth
 predicted to fill the cap is run, then one layer more, stepping down until one completes.
-Every probe is train.py's own run (run.run, in this process), eager, 4 optimizer steps; the
+Every probe is a train.py process of its own (as a user runs it), eager, 4 optimizer steps; the
 checkpointing pair runs 13 (10 timed).
 
     python3 benchmarks/fits_24gb.py --out fits.json          # one H200: about 4 minutes
@@ -21,14 +21,14 @@ import argparse
 import itertools
 import json
 import math
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from mixprec import run
-from mixprec.config import compose_config
-from mixprec.errors import MixprecError
+ROOT = Path(__file__).resolve().parents[1]
 
 BASE = [
     "hardware=rtx3090",
@@ -72,19 +72,22 @@ def params(layers: int) -> int:
 
 
 def probe(extra: list[str], layers: int, out: Path, timed: bool = False) -> dict:
+    """One train.py run in its own process (a fresh CUDA context: nothing left from the last)."""
     steps = ["trainer.max_steps=13", "trainer.perf_warmup_steps=3"] if timed else []
-    cfg = compose_config([*BASE, *extra, *steps, f"model.kwargs.n_layers={layers}"])
-    cfg.run_dir = str(out / f"{next(RUNS)}-{'_'.join(e.split('=')[-1] for e in extra)}-{layers}")
+    run_dir = out / f"{next(RUNS)}-{'_'.join(e.split('=')[-1] for e in extra)}-{layers}"
+    cmd = [sys.executable, str(ROOT / "train.py"), *BASE, *extra, *steps]
+    cmd += [f"model.kwargs.n_layers={layers}", f"hydra.run.dir={run_dir}"]
     t0 = time.monotonic()
-    try:
-        s = run.run(cfg)
-        row = {"ok": s["status"] == "completed", "peak_gib": s["peak_mem_gib"]}
-        row.update(after_step_gib=s.get("after_step_gib"))
-        row.update(step_ms=1000 * s["batch"] / s["samples_per_s"] if s["samples_per_s"] else None)
-    except MixprecError as e:
-        row = {"ok": False, "error": type(e).__name__}
-    finally:
-        torch.cuda.empty_cache()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    row: dict = {"ok": proc.returncode == 0, "rc": proc.returncode}
+    if (run_dir / "summary.json").exists():
+        s = json.loads((run_dir / "summary.json").read_text())
+        row.update(peak_gib=s["peak_mem_gib"], after_step_gib=s.get("after_step_gib"))
+        sps = s.get("samples_per_s")
+        row.update(step_ms=1000 * s["batch"] / sps if sps else None, error=s.get("error"))
+    elif proc.returncode:
+        lines = (proc.stderr + proc.stdout).strip().splitlines()
+        row["error"] = next((x for x in reversed(lines) if "error" in x.lower()), "")[:300]
     print(f"  {layers:3d} layers {extra}: {row} ({time.monotonic() - t0:.0f} s)", flush=True)
     return {"layers": layers, **row}
 
