@@ -377,9 +377,12 @@ def test_low_bit_states_and_cpu_offload_train_and_keep_their_state_where_they_sa
 
 
 def test_cpu_offload_resumes_bit_exact(cfg_factory):
-    common = [*LM_GPU, "precision=bf16", "optimizer=adamw", "optimizer.offload=cpu"]
-    common += ["trainer.clip_grad_norm=null", "model.compile=false", "trainer.max_steps=6"]
-    common += ["trainer.log_every=1"]  # train_loss: the last step's in both runs
+    """The digits MLP on the GPU (no attention: flash attention's backward adds in a varying
+    order, so an LM is not bit-reproducible even uninterrupted): resumed from step 3 of 6, the
+    weights end bit-identical to the uninterrupted run's."""
+    common = ["hardware=auto", "model=digits_mlp", "precision=bf16", "optimizer=adamw"]
+    common += ["optimizer.offload=cpu", "trainer.max_steps=6", "trainer.log_every=1"]
+    common += ["hardware.cudnn_benchmark=false", "logger=none", "trainer.perf_warmup_steps=0"]
     whole = cfg_factory(*common, "ckpt.every_steps=3", "ckpt.keep=2", small=False)
     first = run.run(whole)
     ckpts = Path(whole.run_dir) / "checkpoints"
