@@ -10,7 +10,7 @@ predicted to fill the cap is run, then one layer more, stepping down until one c
 Every probe is a train.py process of its own (as a user runs it), eager, 4 optimizer steps; the
 checkpointing pair runs 13 (10 timed).
 
-    python3 benchmarks/fits_24gb.py --out fits.json          # one H200: about 4 minutes
+    python3 benchmarks/fits_24gb.py --out fits.json          # one H200: about 10 minutes
 
 Measured rows: benchmarks/RESULTS.md ("What fits on a 24 GB card").
 """
