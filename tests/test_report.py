@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import diagnose, precision, report
+from mixprec import diagnose, precision, report, report_plots
 
 from conftest import ROOT, group, run_train
 
@@ -162,7 +162,7 @@ def test_loss_scale_plot(tmp_path):
             json.dumps({"step": s, "amp/loss_scale": 2.0 ** (16 - s)}) + "\n" for s in range(1, 5)
         )
     )
-    assert diagnose.loss_scale_plot(tmp_path).stat().st_size > 1000
+    assert report_plots.loss_scale_plot(tmp_path).stat().st_size > 1000
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from . import (
     perf,
     precision,
     process,
+    sharding,
     tasks,
 )
 from . import data as datasets
@@ -166,7 +167,11 @@ def assemble(
     model = prec.convert(model)
     prec.kept = fp32_layers.keep(model, c.precision.keep_fp32, device.type, set(prec.owned()))
     inspect(model)
-    model = distributed.wrap(model, dd, device)
+    sharding.check(c.parallel, prec, c.model)
+    if dd.enabled and c.parallel.strategy == "fsdp":  # sharding replaces the parameters
+        model = sharding.shard(model, c.parallel, prec, compiling.repeated_blocks(model))
+    else:
+        model = distributed.wrap(model, dd, device)
     if c.model.cuda_graphs:  # a fixed batch shape: the one every training step has
         x = example(c, spec.input_shape, device, spec.batch, spec.num_classes, spec.task)
         compiling.capture_graphs(models.unwrap(model), x, prec)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import MISSING
 
-from . import files
+from . import files, sharding
 from .errors import CheckpointError, ConfigError, check
 from .models import unwrap
 
@@ -90,16 +90,25 @@ def set_rng_state(s: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def save(path: Path, learner, state, config: dict, keep: int = 1, rngs: list | None = None) -> Path:
+def gather(learner) -> tuple[list, tuple]:
+    """What every rank joins in before rank 0 writes (collectives): each rank's RNG state, and
+    the model's and optimizer's state (a sharded model's gathered in full)."""
+    return rng_states(), sharding.states(unwrap(learner.model), learner.optimizer)
+
+
+def save(path: Path, learner, state, config: dict, keep: int = 1, rngs=None, states=None) -> Path:
     """last.pt (a hard link to the newest step_N.pt) for the learner (model, optimizer, scaler,
     scheduler) and the loop state, plus every rank's RNG state (`rngs`, from rng_states(); this
     process's alone without it) and the config that ran. (Loggers keep their own resume ids in
     the run dir: sinks/.)"""
     path.parent.mkdir(parents=True, exist_ok=True)
+    model_state, optimizer_state = states or sharding.states(
+        unwrap(learner.model), learner.optimizer
+    )  # `states`: gathered by every rank beforehand (a sharded model's full state)
     blob = {
         "format": FORMAT,
-        "model": unwrap(learner.model).state_dict(),
-        "optimizer": learner.optimizer.state_dict(),
+        "model": model_state,
+        "optimizer": optimizer_state,
         "scaler": learner.precision.scaler.state_dict(),
         "scheduler": learner.scheduler.state_dict(),
         "state": dataclasses.asdict(state),
@@ -166,8 +175,9 @@ def check_fits(blob: dict, path: Path, run: dict) -> None:
         )
 
 
+# what a resume must keep: the state's layout depends on them
 _SAME = [("optimizer", "name"), ("optimizer", "state"), ("optimizer", "offload")]
-_SAME += [("scheduler", "name")]  # what a resume must keep: the state's layout depends on them
+_SAME += [("scheduler", "name"), ("parallel", "strategy")]
 
 
 def check_config(blob: dict, path: Path, run: dict) -> None:
@@ -200,13 +210,13 @@ def restore(blob: dict, path: Path, learner) -> dict:
     _load(
         path,
         "model",
-        lambda: unwrap(learner.model).load_state_dict(blob["model"]),
+        lambda: sharding.load_model(unwrap(learner.model), blob["model"]),
         f"does not fit this run's model (it was written for {model_name})",
     )
     _load(
         path,
         "optimizer",
-        lambda: _load_optimizer(learner.optimizer, blob["optimizer"]),
+        lambda: _load_optimizer(learner, blob["optimizer"]),
         "holds another optimizer's state (optimizer=... differs from the run that wrote it)",
     )
     _load(
@@ -237,7 +247,10 @@ def _group_keys(state: dict) -> set:
     return {k for g in groups for k in g if k != "params"}
 
 
-def _load_optimizer(optimizer, saved: dict) -> None:
+def _load_optimizer(learner, saved: dict) -> None:
+    model, optimizer = unwrap(learner.model), learner.optimizer
+    if sharding.is_sharded(model):  # the full state, keyed by parameter name: shard it
+        return sharding.load_optimizer(model, optimizer, saved)
     keys, saved_keys = _group_keys(optimizer.state_dict()), _group_keys(saved)
     if keys != saved_keys:  # torch loads a foreign optimizer's state silently, then fails later
         raise ValueError(f"param group keys {sorted(saved_keys ^ keys)} differ")

@@ -36,6 +36,7 @@ from .optim import OptimizerConfig, SchedulerConfig
 from .perf import MIN_TIMED_STEPS
 from .precision import ScalerConfig
 from .safety import DebugConfig
+from .sharding import ParallelConfig
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's conf/ (pip install -e)
 _FREE_FORM = ("compile_options", "kwargs", "peak_tflops")  # dict fields with any keys
@@ -91,6 +92,7 @@ class TrainConfig:
     trainer: TrainerConfig = MISSING
     ckpt: CkptConfig = MISSING
     debug: DebugConfig = MISSING
+    parallel: ParallelConfig = MISSING
     batch_search: BatchSearchConfig = MISSING
     name: str = MISSING  # experiment name: W&B group and tag
     batch: Any = MISSING  # micro-batch per device: an int >= 1, or auto (the largest that trains)

@@ -30,6 +30,7 @@ def what_ran(p) -> dict:
         "accum": lay.accum,
         "world_size": lay.world,
         "effective_batch": lay.effective,
+        "parallel": {k: v for k, v in dataclasses.asdict(c.parallel).items() if v is not None},
         "lr": p.lr,
         "optimizer_steps": p.plan.total_steps,
         "optimizer": opt,

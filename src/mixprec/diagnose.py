@@ -7,7 +7,7 @@
   (the kernel size does not matter: 3x3 and 7x7 kernels are fine), with their FLOP share: the cost
   of padding them is bounded by that share.
 - gradient histograms of the true (unscaled) gradients on logged steps (ledger.py).
-- the loss-scale history plot (loss_scale_plot).
+- the loss-scale history plot (report_plots.loss_scale_plot).
 
 `python -m mixprec.diagnose <the same overrides as train.py>` prints the first two without training;
 `python train.py diagnose=true ...` writes them into the run dir and W&B, and adds the other two.
@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+
+from .doctor import sentence
 
 log = logging.getLogger("mixprec")
 _LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
@@ -221,25 +223,46 @@ def on_run(parts, tracker) -> None:
     tracker.table("diagnose/misaligned", result["misaligned"])
 
 
-def loss_scale_plot(run_dir: Path) -> Path | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    pts = [(r["step"], r["amp/loss_scale"]) for r in rows if "amp/loss_scale" in r]
-    if not pts:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot(*zip(*pts))
-    ax.set_yscale("log", base=2)
-    ax.set(title="loss scale", xlabel="optimizer step")
-    fig.tight_layout()
-    path = run_dir / "loss_scale.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+def shown_run(run_dir: Path) -> str:
+    """`python -m mixprec.diagnose RUN_DIR`: what the doctor found in a run, from summary.json."""
+    s = json.loads((run_dir / "summary.json").read_text())
+    lines = [
+        f"# {run_dir}",
+        "",
+        f"status {s.get('status')}, precision {s.get('precision')}, "
+        f"{s.get('steps')} steps, {s.get('skipped_steps')} skipped, loss scale "
+        f"{s.get('loss_scale')}",
+        "",
+        "## precision doctor",
+        "",
+    ]
+    found = s.get("doctor") or []
+    if not found:
+        return "\n".join(
+            lines
+            + [
+                "No step was examined: the run had debug.locate=false and did not stop "
+                "for divergence. Run it again (or resume it) with debug.locate=true."
+            ]
+        )
+    lines += [
+        "| step | trigger | where | module | type | dtype | max in | max out | loss scale |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for f in found:
+        cells = [f.get(k) for k in ("step", "trigger", "where", "module", "type", "dtype")]
+        nums = [f.get(k) for k in ("max_abs_in", "max_abs_out", "loss_scale")]
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    *(str("" if c is None else c) for c in cells),
+                    *("" if n is None else f"{float(n):.4g}" for n in nums),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines + [""] + [sentence(f) for f in found])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -249,7 +272,6 @@ def main(argv: list[str] | None = None) -> None:
 
     from .build import audit_inputs
     from .config import compose_config, validate
-    from .doctor import shown
     from .errors import MixprecError
 
     argv = argv if argv is not None else sys.argv[1:]
@@ -257,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         if not (Path(argv[0]) / "summary.json").is_file():
             print(f"config error: {argv[0]} holds no summary.json (not a run dir)", file=sys.stderr)
             raise SystemExit(2)
-        print(shown(Path(argv[0])))
+        print(shown_run(Path(argv[0])))
         return
     try:
         cfg = compose_config(argv)

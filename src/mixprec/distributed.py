@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from . import sharding
+
 
 @dataclass
 class Dist:
@@ -108,7 +110,9 @@ def wrap(model: nn.Module, d: Dist, device: torch.device) -> nn.Module:
 
 def no_sync(model: nn.Module):
     """Skip the gradient all-reduce on all but the last micro-batch of an accumulation."""
-    return model.no_sync() if isinstance(model, DDP) else nullcontext()
+    if isinstance(model, DDP):
+        return model.no_sync()
+    return sharding.no_sync(model) if sharding.is_sharded(model) else nullcontext()
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:

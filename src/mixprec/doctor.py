@@ -18,11 +18,9 @@ settled at once: one sync per step); every run examines the step it stops at for
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -264,45 +262,3 @@ class Doctor:
         log.warning("doctor: %s", sentence(f))
         self.report(f)
         return f
-
-
-def shown(run_dir: Path) -> str:
-    """`python -m mixprec.diagnose RUN_DIR`: what the doctor found in a run, from summary.json."""
-    s = json.loads((run_dir / "summary.json").read_text())
-    lines = [
-        f"# {run_dir}",
-        "",
-        f"status {s.get('status')}, precision {s.get('precision')}, "
-        f"{s.get('steps')} steps, {s.get('skipped_steps')} skipped, loss scale "
-        f"{s.get('loss_scale')}",
-        "",
-        "## precision doctor",
-        "",
-    ]
-    found = s.get("doctor") or []
-    if not found:
-        return "\n".join(
-            lines
-            + [
-                "No step was examined: the run had debug.locate=false and did not stop "
-                "for divergence. Run it again (or resume it) with debug.locate=true."
-            ]
-        )
-    lines += [
-        "| step | trigger | where | module | type | dtype | max in | max out | loss scale |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for f in found:
-        cells = [f.get(k) for k in ("step", "trigger", "where", "module", "type", "dtype")]
-        nums = [f.get(k) for k in ("max_abs_in", "max_abs_out", "loss_scale")]
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    *(str("" if c is None else c) for c in cells),
-                    *("" if n is None else f"{float(n):.4g}" for n in nums),
-                ]
-            )
-            + " |"
-        )
-    return "\n".join(lines + [""] + [sentence(f) for f in found])

@@ -17,6 +17,7 @@ from .doctor import Doctor
 from .errors import Diverged, Preempted
 from .perf import Throughput
 from .safety import DivergenceGuard, StopSignals
+from .sharding import local
 from .tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -289,4 +290,7 @@ def save_if_healthy(save: Callable, state, guard: DivergenceGuard, model) -> boo
 
 
 def model_tensors(model) -> list[torch.Tensor]:
-    return [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]
+    """Weights and float buffers (a sharded model's: this rank's shards; guard.healthy reduces
+    its verdict over the ranks)."""
+    params = [local(p) for p in model.parameters()]
+    return [*params, *(b for b in model.buffers() if b.is_floating_point())]

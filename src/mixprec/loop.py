@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.utils import clip_grad_norm_, get_total_norm
 from torch.optim.lr_scheduler import LRScheduler
 
+from . import sharding
 from .ledger import Hooks, StepLedger
 from .precision import Precision
 from .step_guards import BatchNormGuard, StepWatch
@@ -116,13 +117,13 @@ def train_step(
     grad_norm = grads = None
     if clip_grad_norm is not None or want_grad_norm:  # clip the true gradients / measure them
         params = [p for p in model.parameters() if p.grad is not None]  # (not offloaded ones)
-        grad_norm = (
+        grad_norm = sharding.full(  # sharded (FSDP2): the norm over every rank's shard
             clip_grad_norm_(params, clip_grad_norm)
             if clip_grad_norm is not None
             else get_total_norm([p.grad for p in params])
         )
-        if want_grads:  # the true gradients, for histograms (diagnose=true)
-            grads = torch.cat([p.grad.detach().float().flatten() for p in params])
+        if want_grads:  # the true gradients, for histograms (diagnose=true; a shard's own)
+            grads = torch.cat([sharding.local(p.grad).detach().float().flatten() for p in params])
     prec.scaler.step(optimizer)  # skipped if any gradient is inf/nan
     prec.scaler.update()  # halve the scale on overflow, grow it after growth_interval clean steps
     optimizer.zero_grad(set_to_none=True)

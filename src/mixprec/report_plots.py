@@ -5,6 +5,7 @@ GradScaler have no loss-scale curve)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .summary import number as _num
@@ -94,3 +95,24 @@ def draw(runs: list[dict], out_dir: Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     return paths
+
+
+def loss_scale_plot(run_dir: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    pts = [(r["step"], r["amp/loss_scale"]) for r in rows if "amp/loss_scale" in r]
+    if not pts:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(*zip(*pts))
+    ax.set_yscale("log", base=2)
+    ax.set(title="loss scale", xlabel="optimizer step")
+    fig.tight_layout()
+    path = run_dir / "loss_scale.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -29,6 +29,7 @@ from . import (
     messages,
     optim,
     perf,
+    report_plots,
     rundir,
     sinks,
     summary,
@@ -240,10 +241,10 @@ class Session:
 
     def _save(self, state: loop.TrainState) -> None:
         state.elapsed_s = self.wall_s  # a resumed run's wall_s counts the earlier parts too
-        rngs = checkpoint.rng_states()  # every rank's own (a collective: all ranks are here)
-        if self.p.dist.main:  # one writer; every rank holds the same weights
-            c = self.p.config
-            checkpoint.save(self.ckpt, self.p.learner, state, self.resolved, c.ckpt.keep, rngs)
+        gathered = checkpoint.gather(self.p.learner)  # a collective: every rank is here
+        if self.p.dist.main:  # one writer
+            keep = self.p.config.ckpt.keep
+            checkpoint.save(self.ckpt, self.p.learner, state, self.resolved, keep, *gathered)
 
     def _finish_healthy(self, hooks: Hooks) -> None:
         """`completed` only with finite weights, buffers and loss: a divergence inside the last
@@ -277,7 +278,7 @@ class Session:
             self.tracker.table("doctor/findings", hooks.doctor.findings)
         self.tracker.close(self.status)
         if self.p.config.diagnose and self.p.dist.main:
-            diagnose.loss_scale_plot(self.p.run_dir)
+            report_plots.loss_scale_plot(self.p.run_dir)
         if self.p.dist.main:
             if self.error is not None and not isinstance(self.error, Preempted):
                 log.error("%s: %s", self.error.label, self.error)  # the why, then the result

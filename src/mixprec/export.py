@@ -1,0 +1,58 @@
+"""`python -m mixprec.export RUN_DIR [--dtype bfloat16] [--out FILE]`: a run's weights as one
+plain state-dict file, for use outside mixprec: `torch.load(FILE, weights_only=True)` gives
+{name: tensor}, the names of the model timm (or mixprec's Llama) builds, whatever the run was
+(single process, DDP or FSDP2: checkpoints hold the full, unsharded weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from . import checkpoint, files
+from .errors import MixprecError
+
+
+def export(source: str, dtype: str | None = None, out: Path | None = None) -> tuple[Path, dict]:
+    """Writes the weights of the checkpoint `source` (a run dir or a .pt) and returns (the file,
+    the model config that built them)."""
+    path = checkpoint.find(source, Path(source))
+    blob = checkpoint.load(path)
+    cast = getattr(torch, dtype) if dtype else None
+    weights = {
+        k: v.to(cast) if cast is not None and v.is_floating_point() else v
+        for k, v in blob["model"].items()
+    }
+    run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    out = out or run_dir / f"model-step{blob['state']['step']}{'-' + dtype if dtype else ''}.pt"
+    files.write_atomic(out, lambda f: torch.save(weights, f))
+    return out, blob["config"].get("model") or {}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m mixprec.export", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("run", help="a run dir (its checkpoints/last.pt) or a checkpoint .pt file")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    ap.add_argument("--out", type=Path, default=None, help="default: RUN_DIR/model-stepN.pt")
+    a = ap.parse_args(argv)
+    try:
+        out, model = export(a.run, a.dtype, a.out)
+    except MixprecError as e:  # no checkpoint there, or not a mixprec checkpoint
+        print(f"{e.label}: {e}", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+    kwargs = ", ".join(f"{k}={v!r}" for k, v in (model.get("kwargs") or {}).items())
+    print(f"wrote {out}")
+    print(
+        f"load it: model = timm.create_model({model.get('name')!r}, num_classes=..."
+        f"{', ' + kwargs if kwargs else ''}); "
+        f"model.load_state_dict(torch.load({str(out)!r}, weights_only=True))"
+    )
+
+
+if __name__ == "__main__":
+    main()

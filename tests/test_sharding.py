@@ -1,0 +1,145 @@
+"""parallel=fsdp (FSDP2) on the CPU: torch's fully_shard runs with gloo, so two processes train
+the Llama sharded here. They give the losses and weights of one process with the same global
+batch; checkpoints hold the full state and resume bit-exact; export writes a plain file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+from mixprec import export, run
+from mixprec.errors import CheckpointError, ConfigError
+
+from conftest import ROOT, group, run_train
+
+LM = [
+    "model=llama_tiny",
+    "data=text",
+    "data.max_mb=1",
+    "data.seq_len=32",
+    "data.val_sequences=8",
+    "trainer.max_steps=4",
+    "trainer.log_every=1",
+    "trainer.perf_warmup_steps=0",
+    "hardware=cpu",
+    "scheduler=constant",
+    "logger=none",
+]
+
+
+def losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/loss"] for r in rows if "train/loss" in r]
+
+
+def weights(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def torchrun(args: list[str], run_dir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    return subprocess.run(
+        [*cmd, str(ROOT / "train.py"), *LM, *args, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.parametrize(
+    "keys, needle",
+    [
+        (dict(option="ddp", reduce_dtype="float32"), "parallel.reduce_dtype='float32' is read by"),
+        (dict(option="fsdp", reduce_dtype="float16"), "parallel.reduce_dtype='float16'.*float32"),
+        (dict(option="fsdp", strategy="zero3"), "parallel.strategy='zero3'.*ddp, fsdp"),
+    ],
+)
+def test_bad_parallel_values_name_the_key(keys, needle):
+    option = keys.pop("option")
+    with pytest.raises(ConfigError, match=needle):
+        group("parallel", option, **keys)
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["precision=amp"], "GradScaler"),
+        (["model.compile=true"], "model.compile=true is not supported with sharding"),
+    ],
+)
+def test_what_fsdp_cannot_take_is_refused_before_training(cfg_factory, extra, needle):
+    with pytest.raises(ConfigError, match=f"parallel=fsdp cannot run with this config: .*{needle}"):
+        run.run(cfg_factory("parallel=fsdp", *extra))
+
+
+def test_two_sharded_processes_match_one_process_and_resume_bit_exact(tmp_path):
+    """2 ranks x batch 4 x accum 2 under FSDP2 (each rank holds half of every block) train as
+    one process with batch 8 x accum 2: the same losses and final weights (to float rounding:
+    sums over shards come in another order). Resumed from its step-2 checkpoint, the sharded run
+    ends bit-identical to the uninterrupted one."""
+    one = run_train([*LM, "batch=8", "accum=2", f"hydra.run.dir={tmp_path / 'one'}"])
+    assert one.returncode == 0, one.stderr[-3000:]
+    sharded = ["parallel=fsdp", "batch=4", "accum=2", "ckpt.every_steps=2", "ckpt.keep=2"]
+    two = torchrun(sharded, tmp_path / "two")
+    assert two.returncode == 0, (two.stdout + two.stderr)[-4000:]
+    assert "4 blocks and the root sharded (FSDP2)" in two.stdout + two.stderr
+    torch.testing.assert_close(
+        losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5, atol=1e-5
+    )
+    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+    assert w1.keys() == w2.keys()  # the plain names: a sharded run's checkpoint is a full one
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5)
+    step2 = tmp_path / "two" / "checkpoints" / "step_00000002.pt"
+    again = torchrun([*sharded, f"resume={step2}"], tmp_path / "again")
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    w3 = weights(tmp_path / "again")
+    assert all(torch.equal(w3[k], w2[k]) for k in w2)
+    s = json.loads((tmp_path / "again" / "summary.json").read_text())
+    assert (s["world_size"], s["effective_batch"], s["steps"]) == (2, 16, 4)
+
+    out, model = export.export(str(tmp_path / "two"), "bfloat16")  # outside mixprec
+    plain = timm.create_model(model["name"], num_classes=256, max_seq_len=32, **model["kwargs"])
+    exported = torch.load(out, weights_only=True)
+    assert all(t.dtype == torch.bfloat16 for t in exported.values() if t.is_floating_point())
+    plain.load_state_dict(exported)  # strict: every name fits
+    assert torch.equal(plain.output.weight, w2["output.weight"].to(torch.bfloat16).float())
+
+
+def test_a_checkpoint_resumes_only_under_the_strategy_that_wrote_it(cfg_factory):
+    first = cfg_factory("model=digits_mlp", "trainer.max_steps=2")
+    run.run(first)
+    again = ["model=digits_mlp", "trainer.max_steps=4", "parallel=fsdp", f"resume={first.run_dir}"]
+    wanted = "parallel.strategy=ddp; this run has parallel.strategy=fsdp"
+    with pytest.raises(CheckpointError, match=wanted):
+        run.run(cfg_factory(*again))
+
+
+def test_export_writes_plain_weights_and_refuses_a_dir_without_a_checkpoint(cfg_factory, tmp_path):
+    cfg = cfg_factory("model=digits_mlp", "trainer.max_steps=2")
+    run.run(cfg)
+    done = subprocess.run(
+        [sys.executable, "-m", "mixprec.export", cfg.run_dir], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    out = Path(cfg.run_dir) / "model-step2.pt"
+    assert f"wrote {out}" in done.stdout and "load_state_dict" in done.stdout
+    saved = torch.load(Path(cfg.run_dir) / "checkpoints" / "last.pt", weights_only=True)["model"]
+    exported = torch.load(out, weights_only=True)
+    assert exported.keys() == saved.keys() and all(
+        torch.equal(exported[k], saved[k]) for k in saved
+    )
+    empty = subprocess.run(
+        [sys.executable, "-m", "mixprec.export", str(tmp_path)], capture_output=True, text=True
+    )
+    assert empty.returncode == 2 and "no checkpoint" in empty.stderr
