@@ -208,7 +208,7 @@ def sentence(f: dict) -> str:
 class Doctor:
     """When to call locate(): `on_demand` (debug.locate) at the first LIMIT overflowing steps,
     and once when the run stops for divergence. An object that does nothing when it cannot
-    run (CUDA graphs replay a captured forward that hooks do not see)."""
+    run (cannot())."""
 
     LIMIT = 3
 
@@ -218,6 +218,12 @@ class Doctor:
         self.batch: list | None = None  # the micro-batches of the latest step
         self._diverged = False
         self._examined = False  # before_update examined the step being settled
+
+    @staticmethod
+    def cannot(c, dist) -> bool:
+        """CUDA graphs replay a captured forward that hooks do not see; a sharded model's
+        re-run would gather weights, which every rank must join (one rank's overflow)."""
+        return c.model.cuda_graphs or (dist.enabled and c.parallel.strategy == "fsdp")
 
     def remember(self, micro_batches: list | None) -> None:
         self.batch = micro_batches if self.learner is not None else None

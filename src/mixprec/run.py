@@ -236,7 +236,7 @@ class Session:
             p.dist,
             progress=sys.stderr.isatty() and p.dist.main,
             grad_histograms=c.diagnose,
-            doctor=Doctor(None if c.model.cuda_graphs else p.learner, c.debug.locate),
+            doctor=Doctor(None if Doctor.cannot(c, p.dist) else p.learner, c.debug.locate),
         )
 
     def _save(self, state: loop.TrainState) -> None:
