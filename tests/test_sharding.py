@@ -143,3 +143,43 @@ def test_export_writes_plain_weights_and_refuses_a_dir_without_a_checkpoint(cfg_
         [sys.executable, "-m", "mixprec.export", str(tmp_path)], capture_output=True, text=True
     )
     assert empty.returncode == 2 and "no checkpoint" in empty.stderr
+
+
+def test_a_sharded_run_resumes_on_another_world_size_with_the_same_global_batch(tmp_path):
+    """Written by 2 sharded processes (batch 4) at step 2, resumed by 1 process (batch 8), and
+    the other way round: the same global batch, so the same samples per step; the state is spread
+    anew, so the end matches the uninterrupted run to float rounding, not bit for bit."""
+    sharded = ["parallel=fsdp", "accum=2", "ckpt.every_steps=2", "ckpt.keep=2"]
+    two = torchrun([*sharded, "batch=4"], tmp_path / "two")
+    assert two.returncode == 0, (two.stdout + two.stderr)[-4000:]
+    step2 = tmp_path / "two" / "checkpoints" / "step_00000002.pt"
+    one = run_train(
+        [*LM, *sharded, "batch=8", f"resume={step2}", f"hydra.run.dir={tmp_path / 'one'}"]
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "resume on 1 processes (written on 2) with batch 8 (was 4)" in one.stdout + one.stderr
+    torch.testing.assert_close(
+        losses(tmp_path / "one"), losses(tmp_path / "two")[2:], rtol=1e-5, atol=1e-5
+    )
+    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+    for k in w2:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=1e-5)
+    solo = run_train([*LM, *sharded, "batch=8", f"hydra.run.dir={tmp_path / 'solo'}"])
+    assert solo.returncode == 0, solo.stderr[-3000:]
+    solo2 = tmp_path / "solo" / "checkpoints" / "step_00000002.pt"
+    back = torchrun([*sharded, "batch=4", f"resume={solo2}"], tmp_path / "back")  # 1 -> 2
+    assert back.returncode == 0, (back.stdout + back.stderr)[-4000:]
+    w_solo, w_back = weights(tmp_path / "solo"), weights(tmp_path / "back")
+    for k in w_solo:
+        torch.testing.assert_close(w_back[k], w_solo[k], rtol=1e-4, atol=1e-5)
+
+
+def test_another_global_batch_is_still_refused_on_resume():
+    from mixprec import checkpoint
+
+    blob = {"state": {"layout": {"batch": 4, "accum": 2, "world": 2}}}
+    checkpoint.check_fits(blob, Path("x.pt"), {"batch": 8, "accum": 2, "world": 1})  # same
+    with pytest.raises(CheckpointError, match="another batch layout"):
+        checkpoint.check_fits(blob, Path("x.pt"), {"batch": 4, "accum": 2, "world": 1})
+    with pytest.raises(CheckpointError, match="another batch layout"):
+        checkpoint.check_fits(blob, Path("x.pt"), {"batch": 8, "accum": 1, "world": 2})

@@ -167,7 +167,7 @@ def assemble(
     model = prec.convert(model)
     prec.kept = fp32_layers.keep(model, c.precision.keep_fp32, device.type, set(prec.owned()))
     inspect(model)
-    sharding.check(c.parallel, prec, c.model)
+    sharding.check(c.parallel, prec, c.model, c.optimizer)
     if dd.enabled and c.parallel.strategy == "fsdp":  # sharding replaces the parameters
         model = sharding.shard(model, c.parallel, prec, compiling.repeated_blocks(model))
     else:

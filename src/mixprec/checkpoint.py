@@ -76,8 +76,9 @@ def restore_rng(saved: dict | list) -> None:
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if isinstance(saved, dict):
         return set_rng_state(saved)
-    if len(saved) <= rank:
-        raise ValueError(f"it holds {len(saved)} ranks' states, this is rank {rank}")
+    if len(saved) <= rank:  # resumed on more ranks than wrote it (check_fits allowed it)
+        log.warning("resume: no RNG state for rank %d; it keeps its fresh seed", rank)
+        return None
     set_rng_state(saved[rank])
 
 
@@ -90,10 +91,11 @@ def set_rng_state(s: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def gather(learner) -> tuple[list, tuple]:
+def gather(learner, by_name: bool = False) -> tuple[list, tuple]:
     """What every rank joins in before rank 0 writes (collectives): each rank's RNG state, and
-    the model's and optimizer's state (a sharded model's gathered in full)."""
-    return rng_states(), sharding.states(unwrap(learner.model), learner.optimizer)
+    the model's and optimizer's state (a sharded model's gathered in full; `by_name`: the
+    optimizer's keyed by parameter name, as parallel=fsdp writes it on any world size)."""
+    return rng_states(), sharding.states(unwrap(learner.model), learner.optimizer, by_name)
 
 
 def save(path: Path, learner, state, config: dict, keep: int = 1, rngs=None, states=None) -> Path:
@@ -161,17 +163,40 @@ def load(path: Path) -> dict[str, Any]:
     return blob
 
 
+def _same_global_batch(saved: dict, run: dict) -> bool:
+    """Another world size with the same batch x world and accum: each optimizer step takes the
+    same samples (the data is split by rank within each global micro-batch)."""
+    keys = ("batch", "accum", "world")
+    if not all(k in saved for k in keys):
+        return False
+    return saved["accum"] == run["accum"] and saved["batch"] * saved["world"] == (
+        run["batch"] * run["world"]
+    )
+
+
 def check_fits(blob: dict, path: Path, run: dict) -> None:
     """A resumed run must continue with the batch layout the checkpoint was written with: its
     LR schedule and its position in the data are counted in those units."""
     saved = blob["state"].get("layout") or {}
     differ = {k: (saved[k], run[k]) for k in run if k in saved and saved[k] != run[k]}
+    if differ and _same_global_batch(saved, run):
+        log.warning(
+            "resume on %d processes (written on %d) with batch %d (was %d): the same global "
+            "micro-batch, so the same position in the data; the state is spread anew, so the "
+            "run is not bit-identical to an uninterrupted one",
+            run["world"],
+            saved["world"],
+            run["batch"],
+            saved["batch"],
+        )
+        return
     if differ:
         what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in differ.items())
         raise CheckpointError(
             f"checkpoint {path} was written with another batch layout ({what}); the restored LR "
             "schedule and data position would not match. Resume with the same batch, accum and "
-            "world size, or start a new run (no resume) from scratch"
+            "world size (another world size works with the same batch x world and accum), or "
+            "start a new run (no resume) from scratch"
         )
 
 
@@ -249,7 +274,7 @@ def _group_keys(state: dict) -> set:
 
 def _load_optimizer(learner, saved: dict) -> None:
     model, optimizer = unwrap(learner.model), learner.optimizer
-    if sharding.is_sharded(model):  # the full state, keyed by parameter name: shard it
+    if sharding.by_name(saved) or sharding.is_sharded(model):  # parallel=fsdp's full state
         return sharding.load_optimizer(model, optimizer, saved)
     keys, saved_keys = _group_keys(optimizer.state_dict()), _group_keys(saved)
     if keys != saved_keys:  # torch loads a foreign optimizer's state silently, then fails later

@@ -241,7 +241,8 @@ class Session:
 
     def _save(self, state: loop.TrainState) -> None:
         state.elapsed_s = self.wall_s  # a resumed run's wall_s counts the earlier parts too
-        gathered = checkpoint.gather(self.p.learner)  # a collective: every rank is here
+        by_name = self.p.config.parallel.strategy == "fsdp"  # its checkpoints fit any world
+        gathered = checkpoint.gather(self.p.learner, by_name)  # a collective: every rank is here
         if self.p.dist.main:  # one writer
             keep = self.p.config.ckpt.keep
             checkpoint.save(self.ckpt, self.p.learner, state, self.resolved, keep, *gathered)

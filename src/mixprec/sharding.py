@@ -53,12 +53,14 @@ class ParallelConfig:
             one_of("parallel.reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
 
 
-def check(pcfg: ParallelConfig, prec, mcfg) -> None:
+def check(pcfg: ParallelConfig, prec, mcfg, ocfg) -> None:
     """What FSDP2 cannot take here, named before anything is built."""
     if pcfg.strategy != "fsdp":
         return
     why = None
-    if prec.scaling:
+    if ocfg.state != "fp32" or ocfg.offload != "none":
+        why = "optimizer.state / optimizer.offload (torchao's optimizers) are not verified sharded"
+    elif prec.scaling:
         why = (
             "a GradScaler (precision=amp) needs every rank to agree on an overflow that each "
             "sees only in its shard of the gradients (torch's GradScaler does not, for FSDP2); "
@@ -131,20 +133,27 @@ def full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _options():
+def _options(sharded: bool = True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return StateDictOptions(full_state_dict=True, cpu_offload=sharded)
 
 
-def states(model: nn.Module, optimizer) -> tuple[dict, dict]:
-    """(model, optimizer) state dicts to checkpoint. Sharded: the full ones, gathered by every
-    rank (a collective; rank 0 gets them on the CPU), the optimizer's keyed by parameter name."""
-    if not is_sharded(model):
+def states(model: nn.Module, optimizer, by_name: bool = False) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts to checkpoint. Sharded, or `by_name` (parallel=fsdp on
+    any world size, so that its checkpoints resume on any other): the full ones, gathered by
+    every rank (a collective; rank 0 gets them on the CPU), the optimizer's keyed by parameter
+    name. Otherwise torch's own state_dict()s."""
+    if not (by_name or is_sharded(model)):
         return model.state_dict(), optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    return get_state_dict(model, optimizer, options=_options())
+    return get_state_dict(model, optimizer, options=_options(is_sharded(model)))
+
+
+def by_name(optimizer_state: dict) -> bool:
+    """An optimizer state keyed by parameter name (states(by_name=True)), not by index."""
+    return any(isinstance(k, str) for k in optimizer_state.get("state", {}))
 
 
 def load_model(model: nn.Module, state: dict) -> None:
@@ -159,4 +168,4 @@ def load_model(model: nn.Module, state: dict) -> None:
 def load_optimizer(model: nn.Module, optimizer, state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optimizer, state, options=_options())
+    set_optimizer_state_dict(model, optimizer, state, options=_options(is_sharded(model)))
