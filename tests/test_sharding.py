@@ -73,7 +73,6 @@ def test_bad_parallel_values_name_the_key(keys, needle):
 @pytest.mark.parametrize(
     "extra, needle",
     [
-        (["precision=amp"], "GradScaler"),
         (["model.compile=true"], "model.compile=true is not supported with sharding"),
     ],
 )
@@ -183,3 +182,40 @@ def test_another_global_batch_is_still_refused_on_resume():
         checkpoint.check_fits(blob, Path("x.pt"), {"batch": 4, "accum": 2, "world": 1})
     with pytest.raises(CheckpointError, match="another batch layout"):
         checkpoint.check_fits(blob, Path("x.pt"), {"batch": 8, "accum": 1, "world": 2})
+
+
+def test_fp16_under_sharding_skips_on_every_rank_when_one_shard_overflows(tmp_path):
+    """Each rank holds only its shard of the gradients: an overflow in rank 1's shard alone must
+    make both ranks skip the step and back off the same scale. torch's own GradScaler does it
+    for FSDP2's DTensor gradients (its inf check on a DTensor is reduced over the ranks)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'tests'}:{ROOT / 'src'}"}
+    env["FSDP_OVERFLOW_OUT"] = str(tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    p = subprocess.run(
+        [*cmd, str(ROOT / "tests" / "fsdp_overflow.py")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    rows = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    assert all(r["ran"] == [False, False] for r in rows)  # rank 0 skipped too
+    assert {r["scale"] for r in rows} == {16384.0}  # 65536 halved twice, the same on both
+
+
+def test_fp16_with_a_grad_scaler_trains_sharded_as_one_process(tmp_path):
+    amp = ["precision=amp", "accum=2", "trainer.max_steps=3"]
+    one = run_train([*LM, *amp, "batch=8", f"hydra.run.dir={tmp_path / 'one'}"])
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = torchrun([*amp, "parallel=fsdp", "batch=4"], tmp_path / "two")
+    assert two.returncode == 0, (two.stdout + two.stderr)[-4000:]
+    torch.testing.assert_close(
+        losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-4, atol=1e-4
+    )
+    s = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert (
+        s["loss_scale"] == json.loads((tmp_path / "one" / "summary.json").read_text())["loss_scale"]
+    )

@@ -60,12 +60,6 @@ def check(pcfg: ParallelConfig, prec, mcfg, ocfg) -> None:
     why = None
     if ocfg.state != "fp32" or ocfg.offload != "none":
         why = "optimizer.state / optimizer.offload (torchao's optimizers) are not verified sharded"
-    elif prec.scaling:
-        why = (
-            "a GradScaler (precision=amp) needs every rank to agree on an overflow that each "
-            "sees only in its shard of the gradients (torch's GradScaler does not, for FSDP2); "
-            "use precision=bf16"
-        )
     elif mcfg.cuda_graphs:
         why = "model.cuda_graphs=true replays one captured step; FSDP2 gathers weights per step"
     elif mcfg.compile:
