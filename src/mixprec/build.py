@@ -165,6 +165,7 @@ def assemble(
     (the FLOP count). Training and every batch=auto probe are built here."""
     model = models.build(c.model, spec.num_classes, spec.input_shape, device, spec.task)
     model = prec.convert(model)
+    optim_states.to_weights(c.optimizer, model)  # optimizer.state=bf16: bf16 weights
     prec.kept = fp32_layers.keep(model, c.precision.keep_fp32, device.type, set(prec.owned()))
     inspect(model)
     sharding.check(c.parallel, prec, c.model, c.optimizer)
@@ -177,7 +178,7 @@ def assemble(
         compiling.capture_graphs(models.unwrap(model), x, prec)
     model = compiling.compiled(model, c.model)
     clipping = c.trainer.clip_grad_norm is not None
-    optim_states.check_run(c.optimizer, device, dd.world, prec.scaling, clipping)
+    optim_states.check_run(c.optimizer, prec, device, dd.world, clipping)
     return model, optim.build_optimizer(c.optimizer, models.unwrap(model), lr, device)
 
 

@@ -59,7 +59,7 @@ class OptimizerConfig:
     nesterov: Optional[bool] = None  # sgd
     betas: Optional[List[float]] = None  # adamw
     eps: Optional[float] = None  # adamw
-    state: str = "fp32"  # adamw's moments in fp32, 8bit, 4bit or fp8 (torchao: optim_states.py)
+    state: str = "fp32"  # adamw: fp32, 8bit, 4bit, fp8 moments; bf16 weights+moments (torchao)
     offload: str = "none"  # cpu: the state in host memory, the step on the CPU (torchao)
 
     def __post_init__(self) -> None:

@@ -2,11 +2,15 @@
 
 AdamW keeps two fp32 moments per parameter: 8 bytes, twice the weights. `optimizer.state`
 stores them in 8 bits, 4 bits (block-wise quantised, as bitsandbytes does) or fp8 (torchao's
-AdamW8bit / AdamW4bit / AdamWFp8; the weights and the update stay fp32). `optimizer.offload=cpu`
-keeps the state, and runs the step, in host memory (torchao's CPUOffloadOptimizer: each
-gradient is copied to pinned host memory as the backward produces it, the CPU steps, the new
-weights are copied back). Both keep timm's parameter groups (no weight decay on biases and
-norms) and compose with every precision; what they cannot do is refused before training.
+AdamW8bit / AdamW4bit / AdamWFp8; the weights and the update stay fp32); or `bf16`: the weights
+themselves and both moments in bf16, with no fp32 master copy, each update stochastically
+rounded into the bf16 weights (torchao's `_AdamW(bf16_stochastic_round=True)`, the recipe its
+docs give), so that updates smaller than a bf16 step still move the weights on average.
+`optimizer.offload=cpu` keeps the state, and runs the step, in host memory (torchao's
+CPUOffloadOptimizer: each gradient is copied to pinned host memory as the backward produces it,
+the CPU steps, the new weights are copied back). All keep timm's parameter groups (no weight
+decay on biases and norms) and compose with the precisions they can take; what they cannot do
+is refused before training.
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ from .errors import ConfigError, one_of
 
 log = logging.getLogger(__name__)
 
-STATES = ("fp32", "8bit", "4bit", "fp8")
+STATES = ("fp32", "bf16", "8bit", "4bit", "fp8")
 OFFLOADS = ("none", "cpu")
-_TORCHAO = {"8bit": "AdamW8bit", "4bit": "AdamW4bit", "fp8": "AdamWFp8"}
+_TORCHAO = {"8bit": "AdamW8bit", "4bit": "AdamW4bit", "fp8": "AdamWFp8", "bf16": "_AdamW"}
 
 
 def check_config(ocfg) -> None:
@@ -48,17 +52,25 @@ def used(ocfg) -> bool:
     return ocfg.state != "fp32" or ocfg.offload != "none"
 
 
-def check_run(ocfg, device: torch.device, world: int, scaling: bool, clipping: bool) -> None:
-    """What needs the run: offload moves gradients to the host inside the backward, so it needs
-    a GPU, one process, and no step between the backward and the optimizer's step."""
+def check_run(ocfg, prec, device: torch.device, world: int, clipping: bool) -> None:
+    """What needs the run: bf16 weights need bf16 autocast; offload moves gradients to the host
+    inside the backward, so it needs a GPU, one process, and no step between the backward and
+    the optimizer's step."""
+    if ocfg.state == "bf16" and (prec.dtype is not torch.bfloat16 or prec.owned()):
+        raise ConfigError(
+            f"optimizer.state=bf16 keeps the weights themselves in bf16 (no fp32 copy): it "
+            f"needs precision=bf16 (this run has precision={prec.name})"
+        )
     if ocfg.offload != "cpu":
         return
     why = None
-    if device.type != "cuda":
+    if ocfg.state == "bf16":
+        why = "optimizer.state=bf16 is not offloaded (its weights are bf16 on the GPU already)"
+    elif device.type != "cuda":
         why = "this run has no GPU (it moves optimizer state from GPU memory to host memory)"
     elif world > 1:
         why = f"it runs in one process only (torchao's CPUOffloadOptimizer); world is {world}"
-    elif scaling:
+    elif prec.scaling:
         why = (
             "a GradScaler (precision=amp) must unscale and check the gradients before the "
             "step, and offload copies them to the host during the backward; use precision=bf16"
@@ -81,6 +93,8 @@ def build(ocfg, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     )  # as timm's create_optimizer_v2 makes them: no decay on biases, norms, model's own list
     if ocfg.name == "adamw":
         kwargs = dict(lr=lr, betas=tuple(ocfg.betas), eps=ocfg.eps)
+        if ocfg.state == "bf16":
+            kwargs.update(bf16_stochastic_round=True)
         cls = getattr(torchao.optim, _TORCHAO[ocfg.state]) if ocfg.state != "fp32" else None
     else:
         kwargs = dict(lr=lr, momentum=ocfg.momentum, nesterov=ocfg.nesterov)
@@ -98,6 +112,18 @@ def build(ocfg, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
         type(optimizer).__name__,
     )
     return optimizer
+
+
+def to_weights(ocfg, model: torch.nn.Module) -> None:
+    """optimizer.state=bf16: the weights in bf16, and BatchNorm's statistics with them (its
+    kernels take one dtype); other buffers (a Llama's rotary tables) stay as they are."""
+    if ocfg.state == "bf16":
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.to(torch.bfloat16)
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        log.info("optimizer.state=bf16: the weights are bf16 (no fp32 master copy)")
 
 
 def _offload_optimizer() -> type:
