@@ -18,7 +18,7 @@ from conftest import group
 @pytest.mark.parametrize(
     "keys, needle",
     [
-        (dict(state="16bit"), "optimizer.state='16bit'.*fp32, 8bit, 4bit, fp8"),
+        (dict(state="16bit"), "optimizer.state='16bit'.*fp32, bf16, 8bit, 4bit, fp8"),
         (dict(offload="disk"), "optimizer.offload='disk'.*none, cpu"),
         (dict(state="8bit", fused=True), "optimizer.fused=True cannot be used"),
         (dict(offload="cpu", foreach=True), "optimizer.foreach=True cannot be used"),
@@ -34,6 +34,12 @@ def test_low_bit_states_are_adamws_only():
         group("optimizer", "sgd", state="8bit")
 
 
+def prec(scaling: bool, name: str = "amp"):
+    """A precision of the kind the checks read (amp's GradScaler on or off)."""
+    scaler = group("scaler", "dynamic" if scaling else "off")
+    return precision.build(group("precision", name), scaler, torch.device("cpu"))
+
+
 @pytest.mark.parametrize(
     "device, world, scaling, clipping, needle",
     [
@@ -43,12 +49,6 @@ def test_low_bit_states_are_adamws_only():
         ("cuda", 1, False, True, "trainer.clip_grad_norm=null"),
     ],
 )
-def prec(scaling: bool, name: str = "amp"):
-    """A precision of the kind the checks read (amp's GradScaler on or off)."""
-    scaler = group("scaler", "dynamic" if scaling else "off")
-    return precision.build(group("precision", name), scaler, torch.device("cpu"))
-
-
 def test_offload_refuses_what_it_cannot_do(device, world, scaling, clipping, needle):
     ocfg = group("optimizer", "adamw", offload="cpu")
     with pytest.raises(ConfigError, match=f"optimizer.offload=cpu cannot run here: .*{needle}"):

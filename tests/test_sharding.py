@@ -73,7 +73,7 @@ def test_bad_parallel_values_name_the_key(keys, needle):
 @pytest.mark.parametrize(
     "extra, needle",
     [
-        (["model.compile=true"], "model.compile=true is not supported with sharding"),
+        (["model.compile=true", "model.compile_scope=model"], "model.compile_scope=model"),
     ],
 )
 def test_what_fsdp_cannot_take_is_refused_before_training(cfg_factory, extra, needle):
@@ -218,4 +218,18 @@ def test_fp16_with_a_grad_scaler_trains_sharded_as_one_process(tmp_path):
     s = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert (
         s["loss_scale"] == json.loads((tmp_path / "one" / "summary.json").read_text())["loss_scale"]
+    )
+
+
+def test_each_sharded_block_compiles_and_trains_as_one_eager_process(tmp_path):
+    """compile_scope=blocks under FSDP2: each sharded block compiled in place (inductor on the
+    CPU here), the losses of one eager process to compile's rounding."""
+    one = run_train([*LM, "batch=8", "accum=2", f"hydra.run.dir={tmp_path / 'one'}"])
+    assert one.returncode == 0, one.stderr[-3000:]
+    compiled = ["parallel=fsdp", "batch=4", "accum=2", "model.compile=true"]
+    two = torchrun([*compiled, "model.compile_scope=blocks"], tmp_path / "two")
+    assert two.returncode == 0, (two.stdout + two.stderr)[-4000:]
+    assert "wraps 4 repeated blocks (FSDPBlock)" in (tmp_path / "two" / "train.log").read_text()
+    torch.testing.assert_close(
+        losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-4, atol=1e-4
     )

@@ -62,10 +62,10 @@ def check(pcfg: ParallelConfig, prec, mcfg, ocfg) -> None:
         why = "optimizer.state / optimizer.offload (torchao's optimizers) are not verified sharded"
     elif mcfg.cuda_graphs:
         why = "model.cuda_graphs=true replays one captured step; FSDP2 gathers weights per step"
-    elif mcfg.compile:
+    elif mcfg.compile and mcfg.compile_scope != "blocks":
         why = (
-            "model.compile=true is not supported with sharding yet (per-block compile around "
-            "FSDP2's gathers is not verified here); set model.compile=false"
+            "model.compile_scope=model (one graph around FSDP2's per-block gathers is not "
+            "verified here); compile each sharded block: model.compile_scope=blocks"
         )
     if why:
         raise ConfigError(f"parallel=fsdp cannot run with this config: {why}")
