@@ -180,3 +180,22 @@ def test_bf16_state_keeps_bf16_weights_rounds_stochastically_and_resumes_bit_exa
 def test_bf16_state_refuses_what_it_cannot_take(cfg_factory, extra, needle):
     with pytest.raises(ConfigError, match=needle):
         run.run(cfg_factory("optimizer=adamw", "optimizer.state=bf16", *extra))
+
+
+def test_offload_after_a_resume_schedules_the_lr_of_the_tensors_kept_on_the_gpu():
+    """CPUOffloadOptimizer keeps tensors under 4,096 elements (biases, norms) in an ordinary
+    optimizer on the device. torch's load_state_dict gives that optimizer new group dicts; the
+    LR schedule sets the groups `param_groups` lists, which must be those (they were the old
+    ones: a resumed run trained its biases at the checkpoint's lr). Built on the CPU without
+    its CUDA parts: the small-tensor optimizer alone, as a resume meets it."""
+    offload = optim_states._offload_optimizer()
+    opt = object.__new__(offload)  # __init__ needs CUDA; the resume path needs only these
+    bias = torch.nn.Parameter(torch.zeros(8))
+    opt.d_opt = torch.optim.AdamW([bias], lr=1.0)
+    opt.d_param_groups, opt.optim_dict, opt.param_d2h_map = opt.d_opt.param_groups, {}, {}
+    opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks = {}, {}
+    saved = {"offloaded": [], "on-device": opt.d_opt.state_dict()}
+    opt.load_state_dict(saved)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    schedule.step()
+    assert opt.d_opt.param_groups[0]["lr"] == 0.5  # the schedule reaches the device optimizer

@@ -139,10 +139,15 @@ def _offload_optimizer() -> type:
 
         def load_state_dict(self, state_dict) -> None:
             """The moments, and the host's copy of the weights from the device's: a resume
-            loads the model's weights after this optimizer copied the fresh ones to the host."""
+            loads the model's weights after this optimizer copied the fresh ones to the host.
+            And the small tensors' groups: torch's load_state_dict gives the on-device optimizer
+            new group dicts, while param_groups (what the LR schedule sets) still listed the old
+            ones, so those tensors kept the checkpoint's lr after a resume."""
             super().load_state_dict(state_dict)
             for p_device, p_host in self.param_d2h_map.items():
                 p_host.copy_(p_device.detach())
+            if self.d_opt is not None:
+                self.d_param_groups = self.d_opt.param_groups
 
         def step(self, closure=None):
             for hook in list(self._optimizer_step_pre_hooks.values()):
