@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -82,6 +83,42 @@ def run_train(
         text=True,
         timeout=timeout,
     )
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+# the Llama on the standard library's text, small enough for 2 processes on a 2-core CPU
+LM_CPU = [
+    "model=llama_tiny",
+    "data=text",
+    "data.seq_len=32",
+    "data.val_sequences=8",
+    "trainer.log_every=1",
+    "hardware=cpu",
+    "scheduler=constant",
+    "logger=none",
+]
+
+
+def run_torchrun(
+    args: list[str], env_extra: dict | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=2 ARGS` (a script and its arguments), one CPU
+    thread per process, W&B offline."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env_extra or {})}
+    return subprocess.run(
+        [*TORCHRUN, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    """The train/loss of every logged step in a run dir's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/loss"] for r in rows if "train/loss" in r]
+
+
+def last_weights(run_dir: Path) -> dict:
+    """The model weights of a run dir's last checkpoint."""
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
 
 
 def pytest_collection_modifyitems(config, items):

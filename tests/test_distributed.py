@@ -18,7 +18,7 @@ from torch import nn
 from mixprec import distributed, loop, optim, precision
 
 import wandb_log
-from conftest import ROOT, group, run_train
+from conftest import LM_CPU, ROOT, group, run_torchrun, run_train, train_losses
 
 COMMON = [
     "model=digits_mlp",
@@ -29,9 +29,7 @@ COMMON = [
 ]
 
 
-def losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["train/loss"] for r in rows if "train/loss" in r]
+losses = train_losses
 
 
 @pytest.fixture(scope="module")
@@ -182,32 +180,12 @@ def test_stop_signals_hand_over_to_the_previous_handler():
 def test_torchrun_trains_the_language_model_as_one_process_does(tmp_path):
     """The Llama decoder on text under torchrun (2 processes x batch 4) logs the losses of one
     process with batch 8: each rank takes its share of the shuffled windows and of validation."""
-    lm = [
-        "model=llama_tiny",
-        "data=text",
-        "data.max_mb=2",
-        "data.seq_len=32",
-        "data.val_sequences=8",
-        "trainer.max_steps=6",
-        "trainer.log_every=1",
-        "hardware=cpu",
-        "scheduler=constant",
-        "logger=none",
-    ]
+    lm = [*LM_CPU, "data.max_mb=2", "trainer.max_steps=6"]
     one = tmp_path / "one"
     single = run_train([*lm, "batch=8", f"hydra.run.dir={one}"], env_extra={"OMP_NUM_THREADS": "1"})
     assert single.returncode == 0, single.stderr[-3000:]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     two = tmp_path / "two"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    p = subprocess.run(
-        [*cmd, str(ROOT / "train.py"), *lm, "batch=4", f"hydra.run.dir={two}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    p = run_torchrun([str(ROOT / "train.py"), *lm, "batch=4", f"hydra.run.dir={two}"])
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     torch.testing.assert_close(losses(two), losses(one), rtol=1e-5, atol=1e-5)
     s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))

@@ -16,14 +16,13 @@ import torch
 from mixprec import checkpoint, ledger, loop, optim, precision, run
 from mixprec.errors import CheckpointError
 
-from conftest import ROOT, group, run_train
+from conftest import ROOT, group, last_weights, run_train
 
 # Deterministic on the CPU: digits, a fixed seed, dropout's RNG restored from the checkpoint.
 BASE = ["hardware=cpu", "trainer.max_steps=150", "ckpt.every_steps=10", "trainer.log_every=5"]
 
 
-def weights(run_dir: Path) -> dict:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+weights = last_weights
 
 
 def assert_identical(a: dict, b: dict) -> None:

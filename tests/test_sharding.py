@@ -5,7 +5,6 @@ batch; checkpoints hold the full state and resume bit-exact; export writes a pla
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,43 +16,14 @@ import torch
 from mixprec import export, run
 from mixprec.errors import CheckpointError, ConfigError
 
-from conftest import ROOT, group, run_train
+from conftest import LM_CPU, ROOT, group, last_weights, run_torchrun, run_train, train_losses
 
-LM = [
-    "model=llama_tiny",
-    "data=text",
-    "data.max_mb=1",
-    "data.seq_len=32",
-    "data.val_sequences=8",
-    "trainer.max_steps=4",
-    "trainer.log_every=1",
-    "trainer.perf_warmup_steps=0",
-    "hardware=cpu",
-    "scheduler=constant",
-    "logger=none",
-]
-
-
-def losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["train/loss"] for r in rows if "train/loss" in r]
-
-
-def weights(run_dir: Path) -> dict:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+LM = [*LM_CPU, "data.max_mb=1", "trainer.max_steps=4", "trainer.perf_warmup_steps=0"]
+losses, weights = train_losses, last_weights
 
 
 def torchrun(args: list[str], run_dir: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    return subprocess.run(
-        [*cmd, str(ROOT / "train.py"), *LM, *args, f"hydra.run.dir={run_dir}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_torchrun([str(ROOT / "train.py"), *LM, *args, f"hydra.run.dir={run_dir}"])
 
 
 @pytest.mark.parametrize(
@@ -188,17 +158,8 @@ def test_fp16_under_sharding_skips_on_every_rank_when_one_shard_overflows(tmp_pa
     """Each rank holds only its shard of the gradients: an overflow in rank 1's shard alone must
     make both ranks skip the step and back off the same scale. torch's own GradScaler does it
     for FSDP2's DTensor gradients (its inf check on a DTensor is reduced over the ranks)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'tests'}:{ROOT / 'src'}"}
-    env["FSDP_OVERFLOW_OUT"] = str(tmp_path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    p = subprocess.run(
-        [*cmd, str(ROOT / "tests" / "fsdp_overflow.py")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    env = {"PYTHONPATH": f"{ROOT / 'tests'}:{ROOT / 'src'}", "FSDP_OVERFLOW_OUT": str(tmp_path)}
+    p = run_torchrun([str(ROOT / "tests" / "fsdp_overflow.py")], env, timeout=300)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     rows = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in rows) == [0, 1]

@@ -17,7 +17,7 @@ from test_data import make_folder
 from test_reliability import assert_identical, weights
 from torch.utils.data import Dataset
 
-from conftest import ROOT, run_train
+from conftest import ROOT, TORCHRUN, run_train
 
 
 class Noisy(Dataset):
@@ -163,9 +163,6 @@ def test_gnu_timeout_foreground_signals_the_trainer_alone(tmp_path, images):
     args = [*base(images, steps=100000), f"hydra.run.dir={tmp_path}"]
     proc = start(args, prefix=["timeout", "--foreground", "--preserve-status", "-s", "INT", "15"])
     stopped_at_a_checkpoint(tmp_path, proc, signal.SIGINT)
-
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
 @pytest.mark.slow

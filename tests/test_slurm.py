@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_train
+from conftest import ROOT, last_weights, run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -58,8 +58,7 @@ def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def weights(run_dir: Path) -> dict:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+weights = last_weights
 
 
 def job_logs(sweep: Path) -> str:

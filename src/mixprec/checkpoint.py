@@ -91,11 +91,15 @@ def set_rng_state(s: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def gather(learner, by_name: bool = False) -> tuple[list, tuple]:
+def gather(learner, by_name: bool = False) -> tuple[list, tuple | None]:
     """What every rank joins in before rank 0 writes (collectives): each rank's RNG state, and
-    the model's and optimizer's state (a sharded model's gathered in full; `by_name`: the
-    optimizer's keyed by parameter name, as parallel=fsdp writes it on any world size)."""
-    return rng_states(), sharding.states(unwrap(learner.model), learner.optimizer, by_name)
+    for a sharded model, or `by_name` (parallel=fsdp: the optimizer's state keyed by parameter
+    name on any world size), the full model and optimizer state; otherwise None (save() reads
+    them on rank 0 alone)."""
+    model = unwrap(learner.model)
+    if not (by_name or sharding.is_sharded(model)):
+        return rng_states(), None
+    return rng_states(), sharding.states(model, learner.optimizer, by_name)
 
 
 def save(path: Path, learner, state, config: dict, keep: int = 1, rngs=None, states=None) -> Path:

@@ -208,22 +208,23 @@ def sentence(f: dict) -> str:
 class Doctor:
     """When to call locate(): `on_demand` (debug.locate) at the first LIMIT overflowing steps,
     and once when the run stops for divergence. An object that does nothing when it cannot
-    run (cannot())."""
+    run (see __init__)."""
 
     LIMIT = 3
 
-    def __init__(self, learner=None, on_demand: bool = False, report=lambda f: None) -> None:
-        self.learner, self.on_demand, self.report = learner, on_demand, report
+    def __init__(self, learner=None, on_demand: bool = False, rerun: bool = True) -> None:
+        """`rerun`: false where the forward cannot be re-run with hooks (CUDA graphs replay a
+        captured one). A sharded model (FSDP2, several ranks) is not re-run either: its forward
+        gathers weights, which every rank would have to join for one rank's overflow."""
+        from .models import unwrap
+        from .sharding import is_sharded
+
+        usable = learner is not None and rerun and not is_sharded(unwrap(learner.model))
+        self.learner, self.on_demand = (learner if usable else None), on_demand
         self.findings: list[dict] = []
         self.batch: list | None = None  # the micro-batches of the latest step
         self._diverged = False
         self._examined = False  # before_update examined the step being settled
-
-    @staticmethod
-    def cannot(c, dist) -> bool:
-        """CUDA graphs replay a captured forward that hooks do not see; a sharded model's
-        re-run would gather weights, which every rank must join (one rank's overflow)."""
-        return c.model.cuda_graphs or (dist.enabled and c.parallel.strategy == "fsdp")
 
     def remember(self, micro_batches: list | None) -> None:
         self.batch = micro_batches if self.learner is not None else None
@@ -266,5 +267,4 @@ class Doctor:
             return {}
         self.findings.append(f)
         log.warning("doctor: %s", sentence(f))
-        self.report(f)
         return f

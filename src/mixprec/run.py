@@ -236,7 +236,7 @@ class Session:
             p.dist,
             progress=sys.stderr.isatty() and p.dist.main,
             grad_histograms=c.diagnose,
-            doctor=Doctor(None if Doctor.cannot(c, p.dist) else p.learner, c.debug.locate),
+            doctor=Doctor(p.learner, c.debug.locate, rerun=not c.model.cuda_graphs),
         )
 
     def _save(self, state: loop.TrainState) -> None:
