@@ -4,6 +4,7 @@ bit-exact."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,11 @@ def test_offload_after_a_resume_schedules_the_lr_of_the_tensors_kept_on_the_gpu(
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
     schedule.step()
     assert opt.d_opt.param_groups[0]["lr"] == 0.5  # the schedule reaches the device optimizer
+
+
+def test_without_torchao_the_options_are_a_config_error_naming_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)  # import torchao.optim fails
+    ocfg = group("optimizer", "adamw", state="8bit")
+    with pytest.raises(ConfigError, match=r"optimizer.state=8bit .*needs torchao: pip install"):
+        optim_states.check_run(ocfg, prec(False, "bf16"), torch.device("cpu"), 1, False)
+    optim_states.check_run(group("optimizer", "adamw"), prec(False), torch.device("cpu"), 1, False)

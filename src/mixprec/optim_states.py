@@ -56,6 +56,14 @@ def check_run(ocfg, prec, device: torch.device, world: int, clipping: bool) -> N
     """What needs the run: bf16 weights need bf16 autocast; offload moves gradients to the host
     inside the backward, so it needs a GPU, one process, and no step between the backward and
     the optimizer's step."""
+    if used(ocfg):
+        try:
+            import torchao.optim  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                f"optimizer.state={ocfg.state} optimizer.offload={ocfg.offload} needs torchao: "
+                "pip install -e '.[fp8]' (make installs it)"
+            ) from None
     if ocfg.state == "bf16" and (prec.dtype is not torch.bfloat16 or prec.owned()):
         raise ConfigError(
             f"optimizer.state=bf16 keeps the weights themselves in bf16 (no fp32 copy): it "
