@@ -6,6 +6,8 @@ from summary.json, and times the gap between the run's final line and the proces
 
     python3 benchmarks/startup.py                                  # experiment=fast, cold then warm
     python3 benchmarks/startup.py --runs warm --args experiment=fast precision=bf16
+    python3 benchmarks/startup.py --trace outputs/bench/trace   # + where the tuning's time goes
+    MIXPREC_TUNING_WORKERS=0 python3 benchmarks/startup.py --runs cold   # tuning compiles in line
 
 Measured rows: benchmarks/RESULTS.md ("Time to the first step").
 """
@@ -26,9 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("first_step_s", "compile_s", "compile_first_step_s", "tune_s", "samples_per_s", "wall_s")
 
 
-def one(args: list[str], env: dict, timeout: float) -> dict:
+def one(args: list[str], env: dict, timeout: float, trace: Path | None = None) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="mixprec-startup-"))
     cmd = [sys.executable, "-u", str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"]
+    if trace is not None:  # benchmarks/tuning_trace.py: one line per tuned kernel
+        cmd[2:2] = [str(ROOT / "benchmarks" / "tuning_trace.py"), str(trace)]
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -58,6 +62,7 @@ def main() -> None:
     ap.add_argument("--runs", nargs="*", default=["cold", "warm"], choices=("cold", "warm"))
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "mixprec-startup")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--trace", type=Path, help="write DIR/<run>.jsonl (benchmarks/tuning_trace.py)")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "startup.json")
     a = ap.parse_args()
     import torch
@@ -74,12 +79,18 @@ def main() -> None:
         "torch": torch.__version__,
         "args": a.args,
         "cpus": os.cpu_count(),
+        "tuning_workers": os.environ.get("MIXPREC_TUNING_WORKERS", "default"),
     }
     rows = []
     for kind in a.runs:
         if kind == "cold":
             shutil.rmtree(a.cache, ignore_errors=True)
-        rows.append({"run": kind, **one(a.args, env, a.timeout)})
+        trace = None
+        if a.trace:
+            a.trace.mkdir(parents=True, exist_ok=True)
+            trace = a.trace / f"{kind}.jsonl"
+            trace.unlink(missing_ok=True)
+        rows.append({"run": kind, **one(a.args, env, a.timeout, trace)})
         print(json.dumps(rows[-1]), flush=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -11,7 +11,7 @@ import time
 import torch
 from torch import nn
 
-from . import inductor_fix
+from . import inductor_fix, tuning_ahead
 from .errors import ConfigError
 from .models import ModelConfig, unwrap
 
@@ -30,6 +30,7 @@ def compiled(model: nn.Module, mcfg: ModelConfig) -> nn.Module:
             )
         return model
     inductor_fix.apply()  # torch <= 2.11: a warm start would tune every kernel again
+    tuning_ahead.apply()  # coordinate-descent tuning's candidates compiled in parallel
     t0 = time.perf_counter()
     if mcfg.compile_scope == "blocks":
         blocks = compile_blocks(
