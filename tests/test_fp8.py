@@ -69,6 +69,24 @@ def test_bad_fp8_settings_name_the_key(overrides, needle):
         validate(compose_cfg(overrides))
 
 
+def test_a_sharded_fp8_model_gathers_its_float8_weights_in_float8():
+    """parallel=fsdp with precision=fp8 (tensorwise): the converted layers' weights are
+    torchao's float8-cast weights, which FSDP2 gathers in float8; unsharded they stay plain."""
+    plain = fp8_plugin()
+    model = plain.convert(Net())
+    assert type(model.fc1.weight) is nn.Parameter and not plain.columns()["fp8_all_gather"]
+    sharded = fp8_plugin()
+    sharded.sharded = True
+    model = sharded.convert(Net())
+    assert type(model.fc1.weight).__name__ == "WeightWithDynamicFloat8CastTensor"
+    assert type(model.head.weight) is nn.Parameter  # not converted: not gathered in float8
+    assert sharded.columns()["fp8_all_gather"]
+    rowwise = fp8_plugin("rowwise")
+    rowwise.sharded = True
+    model = rowwise.convert(Net())  # torchao: float8 gathers for tensorwise scaling only
+    assert type(model.fc1.weight) is nn.Parameter and not rowwise.columns()["fp8_all_gather"]
+
+
 def test_fp8_on_the_cpu_is_a_config_error_before_any_work(cfg_factory):
     cfg = cfg_factory("precision=fp8")
     with pytest.raises(ConfigError, match=r"float8 tensor cores \(compute capability >= 8.9.*CPU"):

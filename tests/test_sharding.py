@@ -194,3 +194,21 @@ def test_each_sharded_block_compiles_and_trains_as_one_eager_process(tmp_path):
     torch.testing.assert_close(
         losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-4, atol=1e-4
     )
+
+
+def test_fsdp_in_a_world_of_one_shards_over_a_group_of_one(tmp_path):
+    """`python train.py parallel=fsdp` without torchrun (one GPU, or here the CPU): FSDP2 over
+    a process group of one (the code path of a sharded run, nothing saved) trains as the
+    unsharded run does, and its checkpoint is the same plain full state."""
+    plain = run_train([*LM, f"hydra.run.dir={tmp_path / 'plain'}"])
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    one = run_train([*LM, "parallel=fsdp", f"hydra.run.dir={tmp_path / 'one'}"])
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "4 blocks and the root sharded (FSDP2)" in one.stdout + one.stderr
+    torch.testing.assert_close(
+        train_losses(tmp_path / "one"), train_losses(tmp_path / "plain"), rtol=1e-5, atol=1e-5
+    )
+    w1, w2 = last_weights(tmp_path / "plain"), last_weights(tmp_path / "one")
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6)

@@ -164,12 +164,13 @@ def assemble(
     parallel module, as torch recommends for DDP. `inspect` sees the converted, unwrapped model
     (the FLOP count). Training and every batch=auto probe are built here."""
     model = models.build(c.model, spec.num_classes, spec.input_shape, device, spec.task)
+    prec.sharded = dd.grouped and c.parallel.strategy == "fsdp"  # a world of one too
     model = prec.convert(model)
     optim_states.to_weights(c.optimizer, model)  # optimizer.state=bf16: bf16 weights
     prec.kept = fp32_layers.keep(model, c.precision.keep_fp32, device.type, set(prec.owned()))
     inspect(model)
     sharding.check(c.parallel, prec, c.model, c.optimizer)
-    if dd.enabled and c.parallel.strategy == "fsdp":  # sharding replaces the parameters
+    if prec.sharded:  # sharding replaces the parameters
         model = sharding.shard(model, c.parallel, prec, compiling.repeated_blocks(model))
     else:
         model = distributed.wrap(model, dd, device)

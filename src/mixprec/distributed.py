@@ -26,6 +26,7 @@ class Dist:
     rank: int = 0
     local_rank: int = 0
     world: int = 1
+    grouped: bool = False  # in a process group (a world of one too, for parallel=fsdp)
 
     @property
     def main(self) -> bool:
@@ -81,11 +82,21 @@ def first_host(nodelist: str) -> str:
     return m.group(1) + m.group(2).split(",")[0].split("-")[0]
 
 
-def init(device_type: str) -> Dist:
-    """Join the process group if this process was started as one of several; else world 1."""
+def init(device_type: str, group_of_one: bool = False) -> Dist:
+    """Join the process group if this process was started as one of several; else world 1,
+    in a group of its own if asked (parallel=fsdp on one GPU: FSDP2 needs a group)."""
     env = _env_world()
     if env is None:
-        return Dist()
+        if not group_of_one:
+            return Dist()
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "nccl" if device_type == "cuda" else "gloo",
+                store=dist.HashStore(),
+                rank=0,
+                world_size=1,
+            )
+        return Dist(grouped=True)
     rank, local_rank, world = env
     if "MASTER_ADDR" not in os.environ:  # SLURM: the first node of the job hosts the store
         os.environ["MASTER_ADDR"] = first_host(os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1"))
@@ -99,7 +110,7 @@ def init(device_type: str) -> Dist:
         dist.init_process_group(
             "nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10)
         )
-    return Dist(rank, local_rank, world)
+    return Dist(rank, local_rank, world, grouped=True)
 
 
 def wrap(model: nn.Module, d: Dist, device: torch.device) -> nn.Module:

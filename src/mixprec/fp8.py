@@ -7,6 +7,7 @@ place in mixprec that knows about float8 (conf/precision/fp8.yaml names it as it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -29,6 +30,9 @@ class Config(PrecisionConfig):
 
     fp8_recipe: str = MISSING  # torchao's scaling: tensorwise, rowwise, rowwise_with_gw_hp
     fp8_head: bool = MISSING  # convert the classifier head too
+    fp8_all_gather: bool = (
+        MISSING  # parallel=fsdp: gather float8 layers' weights in float8 (tensorwise)
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -92,16 +96,24 @@ class Plugin(Precision):
                 self.converted.append(name)
             return ok
 
-        model = convert_to_float8_training(
-            model,
-            module_filter_fn=keep,
-            config=Float8LinearConfig.from_recipe_name(self.cfg.fp8_recipe),
-        )
+        config = Float8LinearConfig.from_recipe_name(self.cfg.fp8_recipe)
+        if self.sharded and self.cfg.fp8_all_gather:  # FSDP2 gathers the weights cast to float8
+            if self.cfg.fp8_recipe == "tensorwise":
+                config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+            else:
+                log.info(
+                    "precision.fp8_all_gather: torchao gathers float8 weights with tensorwise "
+                    "scaling only; with %s scaling they are gathered in bf16",
+                    self.cfg.fp8_recipe,
+                )
+        model = convert_to_float8_training(model, module_filter_fn=keep, config=config)
         skipped = sorted(set(linears) - set(self.converted))
         log.info(
-            "precision=%s (%s scaling): %d of %d Linear layers compute in float8; kept in bf16: %s",
+            "precision=%s (%s scaling%s): %d of %d Linear layers compute in float8; kept in "
+            "bf16: %s",
             self.name,
             self.cfg.fp8_recipe,
+            ", weights gathered in float8" if config.enable_fsdp_float8_all_gather else "",
             len(self.converted),
             len(linears),
             ", ".join(skipped[:6]) + (" ..." if len(skipped) > 6 else "") or "none",
@@ -126,6 +138,9 @@ class Plugin(Precision):
             **super().columns(),
             "fp8_recipe": self.cfg.fp8_recipe,
             "fp8_head": self.cfg.fp8_head,
+            "fp8_all_gather": self.sharded
+            and self.cfg.fp8_all_gather
+            and self.cfg.fp8_recipe == "tensorwise",
             "fp8_layers": len(self.converted),
         }
 

@@ -116,6 +116,7 @@ class Precision:
     guard_bn_stats: bool  # with an active scaler: BatchNormGuard puts overflowed stats back
     cache: bool = True  # autocast's weight-cast cache (off under CUDA graphs, as torch requires)
     kept: list = field(default_factory=list)  # modules kept in fp32 (fp32_layers.keep sets it)
+    sharded: bool = False  # the model will be sharded (parallel=fsdp): convert() may prepare it
 
     @property
     def name(self) -> str:

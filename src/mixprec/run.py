@@ -91,7 +91,7 @@ def _run(cfg: DictConfig, journal: rundir.Journal) -> dict:
     if launch.multirun():  # what the sweeper compares must be measurable
         c.check_objective()
     hw = build.resolve_hardware(c)
-    dd = distributed.init(hw.device)  # world 1 unless started by torchrun / SLURM
+    dd = distributed.init(hw.device, c.parallel.strategy == "fsdp")  # torchrun / SLURM, or 1
     try:
         c.run_dir = distributed.broadcast_str(c.run_dir, dd)  # rank 0's Hydra run dir
         run_dir = Path(c.run_dir)
