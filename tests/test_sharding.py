@@ -13,7 +13,7 @@ import pytest
 import timm
 import torch
 
-from mixprec import export, run
+from mixprec import checkpoint, export, run
 from mixprec.errors import CheckpointError, ConfigError
 
 from conftest import LM_CPU, ROOT, group, last_weights, run_torchrun, run_train, train_losses
@@ -212,3 +212,66 @@ def test_fsdp_in_a_world_of_one_shards_over_a_group_of_one(tmp_path):
     assert w1.keys() == w2.keys()
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6)
+
+
+def test_sharded_checkpoints_each_rank_writes_its_shard_and_resume_reshards(tmp_path):
+    """ckpt.sharded=true under 2 FSDP2 ranks: each checkpoint is a DCP directory with one shard
+    file per rank, its metadata and meta.pt, renamed into place whole (no partial dir left),
+    last.dcp naming the newest, `keep` of them kept. Resumed from step 2 on the same world
+    size it ends bit-identical to the uninterrupted run; on one process (batch 8: the same
+    global batch) it reshards and ends within 1e-4; export joins the shards into the plain
+    model's weights."""
+    sharded = ["parallel=fsdp", "batch=4", "ckpt.sharded=true", "ckpt.every_steps=2", "ckpt.keep=2"]
+    two = torchrun(sharded, tmp_path / "two")
+    assert two.returncode == 0, (two.stdout + two.stderr)[-4000:]
+    ckpts = tmp_path / "two" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "last.dcp",
+        "step_00000002.dcp",
+        "step_00000004.dcp",
+    ]
+    assert (ckpts / "last.dcp").resolve() == (ckpts / "step_00000004.dcp").resolve()
+    files = sorted(p.name for p in (ckpts / "step_00000002.dcp").iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    s = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert s["checkpoint"] == str(ckpts / "last.dcp")
+
+    step2 = ckpts / "step_00000002.dcp"
+    again = torchrun([*sharded, f"resume={step2}"], tmp_path / "again")
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    out2, _ = export.export(str(tmp_path / "two"))
+    out3, model = export.export(str(tmp_path / "again"))
+    w2, w3 = torch.load(out2, weights_only=True), torch.load(out3, weights_only=True)
+    assert w2.keys() == w3.keys() and all(torch.equal(w3[k], w2[k]) for k in w2)
+
+    one = run_train(
+        [*LM, "parallel=fsdp", "batch=8", f"resume={step2}", f"hydra.run.dir={tmp_path / 'one'}"]
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "not bit-identical" in one.stdout + one.stderr
+    w1 = torch.load(export.export(str(tmp_path / "one"))[0], weights_only=True)
+    for k in w2:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=1e-5)
+    plain = timm.create_model(model["name"], num_classes=256, max_seq_len=32, **model["kwargs"])
+    plain.load_state_dict(w2)  # strict: every name fits
+
+
+def test_a_half_written_sharded_checkpoint_is_never_the_one_resumed(tmp_path):
+    """A crash while writing leaves .step_N.dcp.partial (or a directory without meta.pt):
+    resume=auto takes last.dcp, the newest whole one, and a path to the half-written one is
+    refused naming it."""
+    ckpts = tmp_path / "checkpoints"
+    whole, half = ckpts / "step_00000002.dcp", ckpts / ".step_00000004.dcp.partial"
+    for d in (whole, half, ckpts / "step_00000006.dcp"):
+        d.mkdir(parents=True)
+        (d / "__0_0.distcp").write_bytes(b"shard")
+    (whole / "meta.pt").write_bytes(b"meta")
+    (ckpts / "last.dcp").symlink_to(whole.name)
+    assert checkpoint.find("auto", tmp_path) == ckpts / "last.dcp"
+    with pytest.raises(ConfigError, match=r"no checkpoint at .*step_00000006.dcp"):
+        checkpoint.find(str(ckpts / "step_00000006.dcp"), tmp_path)
+
+
+def test_sharded_checkpoints_without_sharding_are_refused_naming_the_key(cfg_factory):
+    with pytest.raises(ConfigError, match=r"ckpt.sharded=True .*unless parallel=fsdp"):
+        run.run(cfg_factory("model=digits_mlp", "ckpt.sharded=true"))

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import MISSING
 
-from . import files, sharding
+from . import checkpoint_dcp, files, rng, sharding
 from .errors import CheckpointError, ConfigError, check
 from .models import unwrap
 
@@ -38,6 +36,7 @@ class CkptConfig:
     )
     keep: int = MISSING  # how many step-numbered checkpoints to keep beside last.pt
     at_end: bool = MISSING  # write one when the run completes (benchmark tables may not)
+    sharded: bool = MISSING  # DCP's format: each rank writes its own shard (checkpoint_dcp)
 
     def __post_init__(self) -> None:
         check(
@@ -49,48 +48,6 @@ class CkptConfig:
         check(self.keep >= 1, "ckpt.keep", self.keep, "an int >= 1")
 
 
-def rng_state() -> dict[str, Any]:
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {
-        "python": list(random.getstate()[1]),
-        "python_version": random.getstate()[0],
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def rng_states() -> list[dict[str, Any]]:
-    """Every rank's RNG state, by rank (rank r's dropout draws are its own): a collective that
-    every rank calls, so that a resume restores each rank's own state."""
-    mine = rng_state()
-    if not (dist.is_available() and dist.is_initialized()):
-        return [mine]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine)
-    return out
-
-
-def restore_rng(saved: dict | list) -> None:
-    """This rank's state (checkpoints before per-rank states held rank 0's alone)."""
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    if isinstance(saved, dict):
-        return set_rng_state(saved)
-    if len(saved) <= rank:  # resumed on more ranks than wrote it (check_fits allowed it)
-        log.warning("resume: no RNG state for rank %d; it keeps its fresh seed", rank)
-        return None
-    set_rng_state(saved[rank])
-
-
-def set_rng_state(s: dict[str, Any]) -> None:
-    random.setstate((s["python_version"], tuple(s["python"]), None))
-    kind, keys, pos, has_gauss, gauss = s["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(s["torch"])
-    if s["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
-
-
 def gather(learner, by_name: bool = False) -> tuple[list, tuple | None]:
     """What every rank joins in before rank 0 writes (collectives): each rank's RNG state, and
     for a sharded model, or `by_name` (parallel=fsdp: the optimizer's state keyed by parameter
@@ -98,8 +55,21 @@ def gather(learner, by_name: bool = False) -> tuple[list, tuple | None]:
     them on rank 0 alone)."""
     model = unwrap(learner.model)
     if not (by_name or sharding.is_sharded(model)):
-        return rng_states(), None
-    return rng_states(), sharding.states(model, learner.optimizer, by_name)
+        return rng.rng_states(), None
+    return rng.rng_states(), sharding.states(model, learner.optimizer, by_name)
+
+
+def write(path: Path, learner, state, config: dict, keep: int, by_name: bool, sharded: bool):
+    """Every rank calls this at a checkpoint: one file written by rank 0 (save, after every
+    rank joined in gathering what it needs), or, `sharded`, DCP's directory, each rank its
+    own shard (checkpoint_dcp)."""
+    if sharded:
+        meta = _entries(learner, state, config, rng.rng_states(), ("dcp", "dcp"))
+        return checkpoint_dcp.write(path.parent, learner, meta, state.step, keep)
+    gathered = gather(learner, by_name)
+    if not dist.is_initialized() or dist.get_rank() == 0:  # one writer
+        return save(path, learner, state, config, keep, *gathered)
+    return None
 
 
 def save(path: Path, learner, state, config: dict, keep: int = 1, rngs=None, states=None) -> Path:
@@ -108,19 +78,9 @@ def save(path: Path, learner, state, config: dict, keep: int = 1, rngs=None, sta
     process's alone without it) and the config that ran. (Loggers keep their own resume ids in
     the run dir: sinks/.)"""
     path.parent.mkdir(parents=True, exist_ok=True)
-    model_state, optimizer_state = states or sharding.states(
-        unwrap(learner.model), learner.optimizer
-    )  # `states`: gathered by every rank beforehand (a sharded model's full state)
-    blob = {
-        "format": FORMAT,
-        "model": model_state,
-        "optimizer": optimizer_state,
-        "scaler": learner.precision.scaler.state_dict(),
-        "scheduler": learner.scheduler.state_dict(),
-        "state": dataclasses.asdict(state),
-        "rng": rngs or [rng_state()],
-        "config": config,
-    }
+    tensors = states or sharding.states(unwrap(learner.model), learner.optimizer)
+    # `states`: gathered by every rank beforehand (a sharded model's full state)
+    blob = _entries(learner, state, config, rngs or [rng.rng_state()], tensors)
     step_path = path.parent / f"step_{state.step:08d}.pt"
     files.write_atomic(step_path, lambda f: torch.save(blob, f))
     files.link_atomic(step_path, path)  # last.pt is the newest step file under a stable name
@@ -129,26 +89,48 @@ def save(path: Path, learner, state, config: dict, keep: int = 1, rngs=None, sta
     return path
 
 
+def _entries(learner, state, config: dict, rngs: list, tensors: tuple) -> dict:
+    """A checkpoint's entries (KEYS); `tensors`: the model's and optimizer's state, or where
+    DCP holds them ("dcp")."""
+    return {
+        "format": FORMAT,
+        "model": tensors[0],
+        "optimizer": tensors[1],
+        "scaler": learner.precision.scaler.state_dict(),
+        "scheduler": learner.scheduler.state_dict(),
+        "state": dataclasses.asdict(state),
+        "rng": rngs,
+        "config": config,
+    }
+
+
 def find(resume: str, run_dir: Path) -> Path | None:
     """`auto`: this run dir's last.pt if present (else None: start fresh); or a dir / file path."""
     if resume == "auto":
-        p = run_dir / "checkpoints" / "last.pt"
-        return p if p.exists() else None
+        return latest(run_dir / "checkpoints")
     p = Path(resume).expanduser()
-    if p.is_dir():
-        p = p / "checkpoints" / "last.pt" if (p / "checkpoints").is_dir() else p / "last.pt"
-    if not p.is_file():
+    if p.is_dir() and not checkpoint_dcp.is_dcp(p):
+        p = latest(p / "checkpoints" if (p / "checkpoints").is_dir() else p) or p / "last.pt"
+    if not (p.is_file() or checkpoint_dcp.is_dcp(p)):
         raise ConfigError(
             f"resume={resume!r}: no checkpoint at {p} (allowed: null, auto, a run "
-            "dir, or a .pt file)"
+            "dir, a .pt file or a .dcp directory)"
         )
     return p
+
+
+def latest(directory: Path) -> Path | None:
+    """A checkpoints dir's last.pt or last.dcp (ckpt.sharded), whichever was written last;
+    None if neither."""
+    there = [p for p in (directory / "last.pt", directory / checkpoint_dcp.LAST) if p.exists()]
+    return max(there, key=lambda p: p.stat().st_mtime_ns, default=None)
 
 
 def load(path: Path) -> dict[str, Any]:
     """The checkpoint's contents, or a CheckpointError naming the file and what is wrong."""
     try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
+        where = path / checkpoint_dcp.META if checkpoint_dcp.is_dcp(path) else path
+        blob = torch.load(where, map_location="cpu", weights_only=True)
     except Exception as e:  # empty, truncated, corrupted, or holding objects that would run code
         lines = str(e).strip().splitlines()
         why = f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
@@ -236,18 +218,18 @@ def check_config(blob: dict, path: Path, run: dict) -> None:
 def restore(blob: dict, path: Path, learner) -> dict:
     """Load every piece back into the learner; returns the saved loop state (a dict)."""
     model_name = (blob["config"].get("model") or {}).get("name", "?")
-    _load(
-        path,
-        "model",
-        lambda: sharding.load_model(unwrap(learner.model), blob["model"]),
-        f"does not fit this run's model (it was written for {model_name})",
-    )
-    _load(
-        path,
-        "optimizer",
-        lambda: _load_optimizer(learner, blob["optimizer"]),
-        "holds another optimizer's state (optimizer=... differs from the run that wrote it)",
-    )
+    fits = f"does not fit this run's model (it was written for {model_name})"
+    if blob["model"] == "dcp":  # every rank reads its own part (checkpoint_dcp)
+        _load(path, "model and optimizer state", lambda: checkpoint_dcp.read(path, learner), fits)
+    else:
+        model = unwrap(learner.model)
+        _load(path, "model", lambda: sharding.load_model(model, blob["model"]), fits)
+        _load(
+            path,
+            "optimizer",
+            lambda: _load_optimizer(learner, blob["optimizer"]),
+            "holds another optimizer's state (optimizer=... differs from the run that wrote it)",
+        )
     _load(
         path,
         "scheduler",
@@ -265,7 +247,7 @@ def restore(blob: dict, path: Path, learner) -> dict:
         )
     elif scaler.is_enabled():
         _load(path, "scaler", lambda: scaler.load_state_dict(blob["scaler"]), "bad scaler state")
-    _load(path, "rng", lambda: restore_rng(blob["rng"]), "is not the RNG state mixprec writes")
+    _load(path, "rng", lambda: rng.restore_rng(blob["rng"]), "is not the RNG state mixprec writes")
     return blob["state"]
 
 

@@ -120,6 +120,12 @@ class TrainConfig:
             self.effective_batch,
             "null or an int >= 1",
         )
+        check(
+            not self.ckpt.sharded or self.parallel.strategy == "fsdp",
+            "ckpt.sharded",
+            self.ckpt.sharded,
+            "false unless parallel=fsdp (a shard per rank is what sharding has to write)",
+        )
 
     def check_objective(self) -> None:
         """For a sweep: a rate objective needs steps to time after the warm-up; a sweep over

@@ -1,7 +1,7 @@
 """`python -m mixprec.export RUN_DIR [--dtype bfloat16] [--out FILE]`: a run's weights as one
 plain state-dict file, for use outside mixprec: `torch.load(FILE, weights_only=True)` gives
 {name: tensor}, the names of the model timm (or mixprec's Llama) builds, whatever the run was
-(single process, DDP or FSDP2: checkpoints hold the full, unsharded weights).
+(single process, DDP or FSDP2; a ckpt.sharded checkpoint's shards are joined here).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, files
+from . import checkpoint, checkpoint_dcp, files
 from .errors import MixprecError
 
 
@@ -21,10 +21,10 @@ def export(source: str, dtype: str | None = None, out: Path | None = None) -> tu
     the model config that built them)."""
     path = checkpoint.find(source, Path(source))
     blob = checkpoint.load(path)
+    model = checkpoint_dcp.full_model(path) if blob["model"] == "dcp" else blob["model"]
     cast = getattr(torch, dtype) if dtype else None
     weights = {
-        k: v.to(cast) if cast is not None and v.is_floating_point() else v
-        for k, v in blob["model"].items()
+        k: v.to(cast) if cast is not None and v.is_floating_point() else v for k, v in model.items()
     }
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
     out = out or run_dir / f"model-step{blob['state']['step']}{'-' + dtype if dtype else ''}.pt"
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m mixprec.export", description=__doc__.split("\n")[0]
     )
-    ap.add_argument("run", help="a run dir (its checkpoints/last.pt) or a checkpoint .pt file")
+    ap.add_argument("run", help="a run dir (its newest checkpoint), a .pt file or a .dcp dir")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     ap.add_argument("--out", type=Path, default=None, help="default: RUN_DIR/model-stepN.pt")
     a = ap.parse_args(argv)

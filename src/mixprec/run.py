@@ -241,11 +241,10 @@ class Session:
 
     def _save(self, state: loop.TrainState) -> None:
         state.elapsed_s = self.wall_s  # a resumed run's wall_s counts the earlier parts too
-        by_name = self.p.config.parallel.strategy == "fsdp"  # its checkpoints fit any world
-        gathered = checkpoint.gather(self.p.learner, by_name)  # a collective: every rank is here
-        if self.p.dist.main:  # one writer
-            keep = self.p.config.ckpt.keep
-            checkpoint.save(self.ckpt, self.p.learner, state, self.resolved, keep, *gathered)
+        c = self.p.config  # every rank is here: gathering or writing shards are collectives
+        by_name = c.parallel.strategy == "fsdp"  # its checkpoints fit any world
+        args = (self.resolved, c.ckpt.keep, by_name, c.ckpt.sharded)
+        checkpoint.write(self.ckpt, self.p.learner, state, *args)
 
     def _finish_healthy(self, hooks: Hooks) -> None:
         """`completed` only with finite weights, buffers and loss: a divergence inside the last

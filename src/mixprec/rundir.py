@@ -25,7 +25,8 @@ from . import files
 from .errors import ConfigError, RunDirBusy
 
 log = logging.getLogger(__name__)
-RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints/last.pt")  # what marks a mixprec run
+# what marks a mixprec run (last.dcp: ckpt.sharded's checkpoints)
+RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints/last.pt", "checkpoints/last.dcp")
 DIAGNOSE_FILES = ("diagnose.md", "diagnose.json", "loss_scale.png")
 
 
@@ -120,8 +121,10 @@ def remove_run(run_dir: Path) -> None:
     for name in made_by_a_run():
         path = run_dir / name
         if name == "checkpoints" and path.is_dir():  # ours only: last.pt and step_*.pt
-            for ckpt in [path / "last.pt", *path.glob("step_*.pt")]:
-                ckpt.unlink(missing_ok=True)
+            for ckpt in [path / "last.pt", path / "last.dcp", *path.glob("step_*.pt")]:
+                ckpt.unlink(missing_ok=True)  # (last.dcp: a symlink)
+            for shards in [*path.glob("step_*.dcp"), *path.glob(".step_*.dcp.partial")]:
+                shutil.rmtree(shards)
             if not any(path.iterdir()):
                 path.rmdir()
         elif path.is_dir():

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import files, hardware, metrics, perf
+from . import checkpoint, files, hardware, metrics, perf
 from .errors import MixprecError
 
 CONTRACT = (
@@ -80,7 +80,7 @@ def of_session(s) -> dict:
         max_batch=p.layout.max_batch,
         grad_checkpointing=c.model.grad_checkpointing,
         memory_cap_gib=p.hw.memory_gib,
-        checkpoint=str(s.ckpt) if s.ckpt.exists() else None,
+        checkpoint=str(checkpoint.latest(s.ckpt.parent) or "") or None,
         doctor=s.hooks.doctor.findings,  # where steps overflowed (doctor.py)
         first_step_s=meter.first_step_s,
         compile_s=perf.compile_s(),
