@@ -54,8 +54,9 @@ def test_what_fsdp_cannot_take_is_refused_before_training(cfg_factory, extra, ne
 def test_two_sharded_processes_match_one_process_and_resume_bit_exact(tmp_path):
     """2 ranks x batch 4 x accum 2 under FSDP2 (each rank holds half of every block) train as
     one process with batch 8 x accum 2: the same losses and final weights (to float rounding:
-    sums over shards come in another order). Resumed from its step-2 checkpoint, the sharded run
-    ends bit-identical to the uninterrupted one."""
+    sums over shards come in another order); so does parallel=fsdp without torchrun (a group
+    of one). Resumed from its step-2 checkpoint, the sharded run ends bit-identical to the
+    uninterrupted one."""
     one = run_train([*LM, "batch=8", "accum=2", f"hydra.run.dir={tmp_path / 'one'}"])
     assert one.returncode == 0, one.stderr[-3000:]
     sharded = ["parallel=fsdp", "batch=4", "accum=2", "ckpt.every_steps=2", "ckpt.keep=2"]
@@ -64,6 +65,15 @@ def test_two_sharded_processes_match_one_process_and_resume_bit_exact(tmp_path):
     assert "4 blocks and the root sharded (FSDP2)" in two.stdout + two.stderr
     torch.testing.assert_close(
         losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5, atol=1e-5
+    )
+    # without torchrun: FSDP2 over a process group of one (one GPU's code path) trains alike
+    alone = run_train(
+        [*LM, "parallel=fsdp", "batch=8", "accum=2", f"hydra.run.dir={tmp_path / 'alone'}"]
+    )
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert "4 blocks and the root sharded (FSDP2)" in alone.stdout + alone.stderr
+    torch.testing.assert_close(
+        losses(tmp_path / "alone"), losses(tmp_path / "one"), rtol=1e-5, atol=1e-5
     )
     w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
     assert w1.keys() == w2.keys()  # the plain names: a sharded run's checkpoint is a full one
@@ -194,24 +204,6 @@ def test_each_sharded_block_compiles_and_trains_as_one_eager_process(tmp_path):
     torch.testing.assert_close(
         losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-4, atol=1e-4
     )
-
-
-def test_fsdp_in_a_world_of_one_shards_over_a_group_of_one(tmp_path):
-    """`python train.py parallel=fsdp` without torchrun (one GPU, or here the CPU): FSDP2 over
-    a process group of one (the code path of a sharded run, nothing saved) trains as the
-    unsharded run does, and its checkpoint is the same plain full state."""
-    plain = run_train([*LM, f"hydra.run.dir={tmp_path / 'plain'}"])
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    one = run_train([*LM, "parallel=fsdp", f"hydra.run.dir={tmp_path / 'one'}"])
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert "4 blocks and the root sharded (FSDP2)" in one.stdout + one.stderr
-    torch.testing.assert_close(
-        train_losses(tmp_path / "one"), train_losses(tmp_path / "plain"), rtol=1e-5, atol=1e-5
-    )
-    w1, w2 = last_weights(tmp_path / "plain"), last_weights(tmp_path / "one")
-    assert w1.keys() == w2.keys()
-    for k in w1:
-        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6)
 
 
 def test_sharded_checkpoints_each_rank_writes_its_shard_and_resume_reshards(tmp_path):
