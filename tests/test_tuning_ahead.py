@@ -146,6 +146,9 @@ def test_workers_from_the_environment(monkeypatch, caplog):
     assert tuning_ahead.workers() == 16
     monkeypatch.setattr(config, "compile_threads", 1)
     assert tuning_ahead.workers() == 0
+    monkeypatch.setattr(config, "compile_threads", 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: two ranks share the host
+    assert tuning_ahead.workers() == 6
 
 
 KERNEL_FILE = """

@@ -80,7 +80,7 @@ def of_session(s) -> dict:
         max_batch=p.layout.max_batch,
         grad_checkpointing=c.model.grad_checkpointing,
         memory_cap_gib=p.hw.memory_gib,
-        checkpoint=str(checkpoint.latest(s.ckpt.parent) or "") or None,
+        checkpoint=_path(checkpoint.latest(s.ckpt.parent)),  # last.pt, or last.dcp
         doctor=s.hooks.doctor.findings,  # where steps overflowed (doctor.py)
         first_step_s=meter.first_step_s,
         compile_s=perf.compile_s(),
@@ -161,3 +161,7 @@ def number(v: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return f if math.isfinite(f) else None
+
+
+def _path(p: Path | None) -> str | None:
+    return None if p is None else str(p)

@@ -13,9 +13,10 @@ benchmarks are inductor's own; one choice differs: a kernel whose starting confi
 under TINY_MS keeps it (tuning such a kernel bought 0.015 ms of a 64 ms step, for 16 s).
 
 Workers: MIXPREC_TUNING_WORKERS (0 turns all of this off), by default inductor's
-compile_threads less 2, at most 16. They are forked from one server process (multiprocessing's
-forkserver: no CUDA context, no inherited signal handlers, torch imported once), ignore SIGINT
-(a Ctrl-C to the process group is the trainer's to handle) and die with that server."""
+compile_threads (shared among torchrun's processes on the host) less 2, at most 16. They are
+forked from one server process (multiprocessing's forkserver: no CUDA context, no inherited
+signal handlers, torch imported once), ignore SIGINT (a Ctrl-C to the process group is the
+trainer's to handle) and die with that server."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ stats = {"kernels": 0, "tiny": 0, "sent": 0, "ready": 0}
 
 
 def workers() -> int:
-    """How many worker processes compile ahead (0: none)."""
+    """How many worker processes compile ahead (0: none); by default the host's share of one
+    process among torchrun's LOCAL_WORLD_SIZE on this host."""
     raw = os.environ.get(ENV, "").strip()
     if raw:
         try:
@@ -54,7 +56,8 @@ def workers() -> int:
             return 0
     from torch._inductor import config
 
-    return max(0, min(16, int(config.compile_threads) - 2))
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(0, min(16, int(config.compile_threads) // ranks - 2))
 
 
 def apply() -> bool:
