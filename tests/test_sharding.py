@@ -267,3 +267,22 @@ def test_a_half_written_sharded_checkpoint_is_never_the_one_resumed(tmp_path):
 def test_sharded_checkpoints_without_sharding_are_refused_naming_the_key(cfg_factory):
     with pytest.raises(ConfigError, match=r"ckpt.sharded=True .*unless parallel=fsdp"):
         run.run(cfg_factory("model=digits_mlp", "ckpt.sharded=true"))
+
+
+def test_a_dir_holding_only_sharded_checkpoints_holds_a_run_and_overwrite_removes_them(tmp_path):
+    """A run dir with checkpoints/last.dcp is a run's (refused without resume or overwrite);
+    overwrite removes the .dcp directories, the link and a crash's partial dir, and leaves
+    what no run made."""
+    from mixprec import rundir
+
+    ckpts = tmp_path / "checkpoints"
+    for d in ("step_00000002.dcp", "step_00000004.dcp", ".step_00000006.dcp.partial"):
+        (ckpts / d).mkdir(parents=True)
+        (ckpts / d / "__0_0.distcp").write_bytes(b"shard")
+    (ckpts / "last.dcp").symlink_to("step_00000004.dcp")
+    (ckpts / "notes.txt").write_text("mine")
+    assert rundir.holds_a_run(tmp_path)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        rundir.prepare(tmp_path, None, overwrite=False)
+    rundir.prepare(tmp_path, None, overwrite=True)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["notes.txt"]
