@@ -198,3 +198,17 @@ def test_a_worker_compiles_from_inductors_file_and_ignores_a_group_ctrl_c(tmp_pa
     else:
         pytest.fail("the worker outlived _stop")
     assert out.read_text().split("\n")[:2] == ["64 2", "8 4"]
+
+
+def test_without_a_forkserver_tuning_compiles_in_the_loop(monkeypatch, caplog):
+    """A platform without the forkserver start method (Windows): a warning, no pool, and the
+    walk left to compile as inductor does."""
+
+    def no_forkserver(method=None):
+        raise ValueError(f"cannot find context for {method!r}")
+
+    monkeypatch.setattr(tuning_ahead.multiprocessing, "get_context", no_forkserver)
+    monkeypatch.setattr(tuning_ahead, "_pool", [None])
+    monkeypatch.setenv(tuning_ahead.ENV, "2")
+    tuning_ahead._start()
+    assert tuning_ahead._pool == [None] and "no compile workers" in caplog.text

@@ -234,16 +234,17 @@ def _the_pool() -> cf.ProcessPoolExecutor | None:
 
 
 def _start() -> None:
-    n = workers()
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
-    pool = cf.ProcessPoolExecutor(n, context, _worker_init)
+    n, pool = workers(), None
     try:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        pool = cf.ProcessPoolExecutor(n, context, _worker_init)
         for future in [pool.submit(os.getpid) for _ in range(n)]:
             future.result(timeout=300)
     except Exception as e:  # no workers (no forkserver on this OS, a broken install)
         log.warning("kernel tuning: no compile workers (%s); tuning compiles in the loop", e)
-        pool.shutdown(wait=False, cancel_futures=True)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         return
     register = getattr(threading, "_register_atexit", None)
     if register is not None:  # before concurrent.futures' own exit hook, which would join them
