@@ -42,6 +42,13 @@ def resolve(c: TrainConfig, hw, device: torch.device, world: int, prec, probes) 
     layout = Layout(c.batch, c.accum, world)
     if c.batch == "auto":
         layout.batch, layout.max_batch = auto_batch(c, hw, device, prec, probes)
+        if world > 1 and c.parallel.strategy == "fsdp":
+            log.warning(
+                "batch=auto probed the model unsharded (a sharded probe would leave the other "
+                "ranks waiting in a collective if one ran out of memory): batch %d leaves "
+                "room that sharding frees; give batch=<int> to use it",
+                layout.batch,
+            )
     if c.effective_batch is None:
         return layout
     if layout.max_batch is not None:
