@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from omegaconf import MISSING
 
-from . import checkpoint_dcp, files, rng, sharding
+from . import checkpoint_dcp, distributed, files, rng, sharding
 from .errors import CheckpointError, ConfigError, check
 from .models import unwrap
 
@@ -67,7 +66,7 @@ def write(path: Path, learner, state, config: dict, keep: int, by_name: bool, sh
         meta = _entries(learner, state, config, rng.rng_states(), ("dcp", "dcp"))
         return checkpoint_dcp.write(path.parent, learner, meta, state.step, keep)
     gathered = gather(learner, by_name)
-    if not dist.is_initialized() or dist.get_rank() == 0:  # one writer
+    if distributed.rank() == 0:  # one writer
         return save(path, learner, state, config, keep, *gathered)
     return None
 

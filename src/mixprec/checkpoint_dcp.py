@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import files
+from . import distributed, files
 from .models import unwrap
 
 SUFFIX = ".dcp"
@@ -35,7 +35,7 @@ def is_dcp(path: Path) -> bool:
 def write(directory: Path, learner, meta: dict, step: int, keep: int) -> Path:
     """Every rank: its shard into checkpoints/step_N.dcp; rank 0 also meta.pt, the rename,
     last.dcp and the removal of all but the newest `keep`. Returns the checkpoint's path."""
-    main = not dist.is_initialized() or dist.get_rank() == 0
+    main = distributed.rank() == 0
     final = directory / f"step_{step:08d}{SUFFIX}"
     partial = directory / f".{final.name}.partial"
     if main:

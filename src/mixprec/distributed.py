@@ -91,10 +91,7 @@ def init(device_type: str, group_of_one: bool = False) -> Dist:
             return Dist()
         if not dist.is_initialized():
             dist.init_process_group(
-                "nccl" if device_type == "cuda" else "gloo",
-                store=dist.HashStore(),
-                rank=0,
-                world_size=1,
+                _backend(device_type), store=dist.HashStore(), rank=0, world_size=1
             )
         return Dist(grouped=True)
     rank, local_rank, world = env
@@ -107,10 +104,17 @@ def init(device_type: str, group_of_one: bool = False) -> Dist:
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(
-            "nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10)
-        )
+        dist.init_process_group(_backend(device_type), timeout=datetime.timedelta(minutes=10))
     return Dist(rank, local_rank, world, grouped=True)
+
+
+def _backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def rank() -> int:
+    """This process's rank in its process group; 0 without one."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def wrap(model: nn.Module, d: Dist, device: torch.device) -> nn.Module:

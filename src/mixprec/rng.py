@@ -11,6 +11,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import distributed
+
 log = logging.getLogger("mixprec.checkpoint")
 
 
@@ -38,7 +40,7 @@ def rng_states() -> list[dict[str, Any]]:
 
 def restore_rng(saved: dict | list) -> None:
     """This rank's state (checkpoints before per-rank states held rank 0's alone)."""
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rank = distributed.rank()
     if isinstance(saved, dict):
         return set_rng_state(saved)
     if len(saved) <= rank:  # resumed on more ranks than wrote it (check_fits allowed it)

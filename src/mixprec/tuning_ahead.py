@@ -34,8 +34,7 @@ ENV = "MIXPREC_TUNING_WORKERS"
 # imported once by the forkserver (the entrypoint too, as multiprocessing does for each child)
 PRELOAD = ["__main__", "torch._inductor.runtime.triton_heuristics"]
 TINY_MS = 0.02  # a kernel faster than this at its starting config is not tuned
-_local = threading.local()  # .ahead: the _Ahead of the kernel being tuned on this thread
-_current: list = [None]  # that _Ahead, for the pool's callbacks
+_current: list = [None]  # the _Ahead of the kernel being tuned (kernels tune one at a time)
 _lock = threading.RLock()  # the queues and the count in flight (callbacks come from the pool)
 _inflight, _workers = [0], [0]
 _pool: list = []  # [the pool once its workers are up, or None]; empty until first asked for
@@ -90,13 +89,13 @@ def _tuning(original):
         path, name = getattr(self, "filename", None), self.inductor_meta.get("kernel_name")
         if pool is None or not path or not name or not os.path.exists(path):
             return original(self, launcher, *args, **kwargs)
-        _local.ahead = _current[0] = _Ahead(pool, path, name)
+        ahead = _current[0] = _Ahead(pool, path, name)
         stats["kernels"] += 1
         try:
             return original(self, launcher, *args, **kwargs)
         finally:
-            _local.ahead.close()
-            _local.ahead = _current[0] = None
+            ahead.close()
+            _current[0] = None
 
     coordinate_descent_tuning._mixprec_ahead = True
     return coordinate_descent_tuning
@@ -107,7 +106,7 @@ def _call_func(original):
     config's compile ahead, and after a new best sends its neighbours ahead."""
 
     def call_func(tuner, func, config):
-        ahead = getattr(_local, "ahead", None)
+        ahead = _current[0]
         if ahead is None or tuner.lookup_in_cache(config) is not None:
             return original(tuner, func, config)
         if ahead.tiny:  # the starting config stays: every other one "fails", uncompiled
