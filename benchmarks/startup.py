@@ -8,6 +8,7 @@ from summary.json, and times the gap between the run's final line and the proces
     python3 benchmarks/startup.py --runs warm --args experiment=fast precision=bf16
     python3 benchmarks/startup.py --trace outputs/bench/trace   # + where the tuning's time goes
     MIXPREC_TUNING_WORKERS=0 python3 benchmarks/startup.py --runs cold   # tuning compiles in line
+    MIXPREC_TUNING_MIN_MS=0 python3 benchmarks/startup.py --runs cold    # every kernel tuned
 
 Measured rows: benchmarks/RESULTS.md ("Time to the first step").
 """
@@ -28,7 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("first_step_s", "compile_s", "compile_first_step_s", "tune_s", "samples_per_s", "wall_s")
 
 
-def one(args: list[str], env: dict, timeout: float, trace: Path | None = None) -> dict:
+def one(
+    args: list[str], env: dict, timeout: float, trace: Path | None = None, log: Path | None = None
+) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="mixprec-startup-"))
     cmd = [sys.executable, "-u", str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"]
     if trace is not None:  # benchmarks/tuning_trace.py: one line per tuned kernel
@@ -52,6 +55,8 @@ def one(args: list[str], env: dict, timeout: float, trace: Path | None = None) -
         row.update({k: s.get(k) for k in KEYS})
     if proc.returncode:
         row["tail"] = "".join(tail[-15:])
+    if log is not None and (run_dir / "train.log").exists():
+        shutil.copyfile(run_dir / "train.log", log)
     shutil.rmtree(run_dir, ignore_errors=True)
     return row
 
@@ -63,6 +68,7 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "mixprec-startup")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--trace", type=Path, help="write DIR/<run>.jsonl (benchmarks/tuning_trace.py)")
+    ap.add_argument("--logs", type=Path, help="keep each run's train.log as DIR/<run>.log")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "startup.json")
     a = ap.parse_args()
     import torch
@@ -80,6 +86,7 @@ def main() -> None:
         "args": a.args,
         "cpus": os.cpu_count(),
         "tuning_workers": os.environ.get("MIXPREC_TUNING_WORKERS", "default"),
+        "tuning_min_ms": os.environ.get("MIXPREC_TUNING_MIN_MS", "default"),
     }
     rows = []
     for kind in a.runs:
@@ -90,7 +97,11 @@ def main() -> None:
             a.trace.mkdir(parents=True, exist_ok=True)
             trace = a.trace / f"{kind}.jsonl"
             trace.unlink(missing_ok=True)
-        rows.append({"run": kind, **one(a.args, env, a.timeout, trace)})
+        log = None
+        if a.logs:
+            a.logs.mkdir(parents=True, exist_ok=True)
+            log = a.logs / f"{kind}.log"
+        rows.append({"run": kind, **one(a.args, env, a.timeout, trace, log)})
         print(json.dumps(rows[-1]), flush=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -13,7 +13,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from mixprec import tuning_ahead
+from mixprec import tuning_ahead, tuning_workers
 
 triton = pytest.importorskip("triton")
 cd = pytest.importorskip("torch._inductor.runtime.coordinate_descent_tuner")
@@ -41,10 +41,11 @@ def walk(ahead: bool, monkeypatch, compiled: list, pool=None, scale: float = 1.0
     call_func = cd.CoordescTuner.call_func
     if ahead:
         monkeypatch.setattr(cd.CoordescTuner, "call_func", tuning_ahead._call_func(call_func))
-        monkeypatch.setattr(tuning_ahead, "_pool", [pool])
-        monkeypatch.setattr(tuning_ahead, "_workers", [workers])
+        monkeypatch.setattr(tuning_workers, "_pool", [pool])
+        monkeypatch.setattr(tuning_workers, "_workers", [workers])
         monkeypatch.setattr(tuning_ahead, "_inflight", [0])
-        monkeypatch.setattr(tuning_ahead, "_compile", lambda p, n, c: compiled.append(c))
+        monkeypatch.setattr(tuning_ahead, "_waiting", {})
+        monkeypatch.setattr(tuning_workers, "compile_config", lambda p, n, c: compiled.append(c))
         tuning = tuning_ahead._tuning(original)
     else:
         tuning = original
@@ -79,15 +80,27 @@ def test_the_walk_is_inductors_own_and_what_it_compiles_was_sent_ahead(monkeypat
 
 
 def test_a_tiny_kernel_keeps_its_starting_config_untuned(monkeypatch):
-    """A kernel under TINY_MS at its starting config: only that config is benchmarked and
-    none compiled ahead; the walk ends where it started."""
+    """A kernel under min_ms() at its starting config: only that config is benchmarked and
+    none compiled ahead; the walk ends where it started. MIXPREC_TUNING_MIN_MS moves the line."""
     compiled: list = []
-    scale = tuning_ahead.TINY_MS / 3  # the start costs 2.35 units: under TINY_MS
+    scale = tuning_ahead.MIN_MS / 3  # the start costs 2.35 units: under MIN_MS
     best, benchmarked = walk(True, monkeypatch, compiled, Inline(), scale)
     start = tuning_ahead._key(triton.Config({"XBLOCK": 32}, num_warps=1))
     assert best == start and benchmarked == [start] and compiled == []
     best, benchmarked = walk(True, monkeypatch, compiled, Inline(), scale * 10)
     assert best != start and len(benchmarked) > 1  # over the line: tuned
+    monkeypatch.setenv(tuning_ahead.MIN_MS_ENV, "0")  # tune every kernel
+    best, benchmarked = walk(True, monkeypatch, [], Inline(), scale)
+    assert best != start and len(benchmarked) > 1
+
+
+def test_the_tuning_line_from_the_environment(monkeypatch, caplog):
+    monkeypatch.setenv(tuning_ahead.MIN_MS_ENV, "0.1")
+    assert tuning_ahead.min_ms() == 0.1
+    for bad in ("-1", "fast"):
+        monkeypatch.setenv(tuning_ahead.MIN_MS_ENV, bad)
+        assert tuning_ahead.min_ms() == tuning_ahead.MIN_MS
+        assert f"MIXPREC_TUNING_MIN_MS={bad!r} is not a number >= 0" in caplog.text
 
 
 class OnDemand:
@@ -130,25 +143,163 @@ def test_no_more_in_flight_than_workers_and_a_queued_candidate_is_compiled_by_th
     assert len(compiled) == waited  # a job runs only when waited for: nothing sent twice
 
 
+class Recording(OnDemand):
+    """OnDemand, recording the configs sent, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list = []
+
+    def submit(self, fn, *args):
+        self.sent.append(args[-1])
+        return super().submit(fn, *args)
+
+
+class RecordingInline(Inline):
+    """Inline (workers that are instant), recording the configs sent, in order."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def submit(self, fn, *args):
+        self.sent.append(args[-1])
+        return super().submit(fn, *args)
+
+
+def compiled_kernel(name: str, start, launchers: int = 1, tuner_on: bool = True, tuned=False):
+    """What inductor's precompile leaves: a kernel of `launchers` compiled configs."""
+    start.found_by_coordesc = tuned
+    meta = {"kernel_name": name, "coordinate_descent_tuning": tuner_on}
+    tuner = cd.CoordescTuner(name=name, size_hints={"x": 1 << 16})
+    return NS(
+        filename=__file__,
+        inductor_meta=meta,
+        coordesc_tuner=tuner,
+        launchers=[NS(config=start)] * launchers,
+    )
+
+
+def pool_of(monkeypatch, pool, workers: int) -> None:
+    monkeypatch.setattr(tuning_workers, "compile_config", lambda p, n, c: None)
+    monkeypatch.setattr(tuning_workers, "_pool", [pool])
+    monkeypatch.setattr(tuning_workers, "_workers", [workers])
+    monkeypatch.setattr(tuning_ahead, "_inflight", [0])
+    monkeypatch.setattr(tuning_ahead, "_waiting", {})
+    monkeypatch.setattr(tuning_ahead, "_current", [None])
+
+
+def test_a_kernel_compiled_before_its_launch_has_its_first_round_ready_when_its_walk_begins(
+    monkeypatch,
+):
+    """Registered when inductor compiled it, the kernel's first round (the starting config's
+    neighbours) is compiled by idle workers; its walk then finds every one of them ready, and
+    still chooses and times what inductor alone does."""
+    best, plain = walk(False, monkeypatch, [])
+    pool = RecordingInline()
+    pool_of(monkeypatch, pool, 8)
+    start = triton.Config({"XBLOCK": 32}, num_warps=1)
+    kernel = compiled_kernel("k", start)
+    tuning_ahead._register(kernel)  # compiled (instantly) before the kernel launches
+    first = [tuning_ahead._key(c) for c in tuning_ahead._neighbours(kernel.coordesc_tuner, start)]
+    assert first and [tuning_ahead._key(c) for c in pool.sent] == first
+    before = dict(tuning_ahead.stats)
+    benchmarked = []
+
+    def func(config):
+        benchmarked.append(tuning_ahead._key(config))
+        return cost(config)
+
+    monkeypatch.setattr(
+        cd.CoordescTuner, "call_func", tuning_ahead._call_func(cd.CoordescTuner.call_func)
+    )
+    tuning = tuning_ahead._tuning(
+        lambda self, launcher: self.coordesc_tuner.autotune(func, launcher.config, None)
+    )
+    assert tuning_ahead._key(tuning(kernel, NS(config=start))) == best and benchmarked == plain
+    assert set(first) <= set(benchmarked)  # the walk used the whole first round
+    assert tuning_ahead.stats["ready"] - before["ready"] == len(benchmarked) - 1
+    assert len(pool.sent) == len({tuning_ahead._key(c) for c in pool.sent})  # none sent twice
+    assert tuning_ahead._waiting == {}
+
+
+def test_the_kernel_being_tuned_goes_first_and_first_rounds_fill_free_workers(monkeypatch):
+    """Two workers, a walk with two compiles queued, a kernel compiled meanwhile: the walk's
+    are sent, the new kernel's first round waits; when a worker is free it goes there."""
+    pool = Recording()
+    pool_of(monkeypatch, pool, 2)
+    walking = tuning_ahead._Ahead(__file__, "walking")
+    walking.queue = [("a", "config a"), ("b", "config b")]
+    tuning_ahead._current[0] = walking
+    tuning_ahead._register(compiled_kernel("next", triton.Config({"XBLOCK": 32}, num_warps=1)))
+    assert pool.sent == ["config a", "config b"]
+    walking.running["a"].result()  # a worker is free
+    assert len(pool.sent) == 3 and pool.sent[2].kwargs["XBLOCK"] in (16, 64)
+    walking.queue = [("c", "config c")]  # the walk's best moved: its next goes before the rest
+    walking.running["b"].result()
+    assert pool.sent[3] == "config c" and pool.most == 2
+
+
+@pytest.mark.parametrize(
+    "why", ["tuned", "two configs", "tuner off"], ids=["warm", "autotuned", "off"]
+)
+def test_a_kernel_that_will_not_walk_queues_nothing(monkeypatch, why):
+    """A kernel whose tuned config came from the cache (a warm start), one of several configs
+    (autotuning picks the start at launch), or with the tuner off: nothing queued or sent."""
+    pool = Recording()
+    pool_of(monkeypatch, pool, 4)
+    start = triton.Config({"XBLOCK": 32}, num_warps=1)
+    kwargs = {"tuned": {"tuned": True}, "two configs": {"launchers": 2}}.get(why, {})
+    tuning_ahead._register(compiled_kernel("k", start, tuner_on=why != "tuner off", **kwargs))
+    assert tuning_ahead._waiting == {} and pool.sent == []
+
+
+def test_the_pool_starts_when_inductor_lowers_a_graph_with_the_tuner_on(monkeypatch, tmp_path):
+    """A cache miss (inductor lowers the graph) with coordinate-descent tuning on starts the
+    workers; the tuner off, or the same graph from inductor's cache (a warm start), does not."""
+    import torch
+    from torch._inductor import config
+    from torch._inductor.graph import GraphLowering
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    started: list = []
+    monkeypatch.setattr(tuning_workers, "start", lambda then=None: started.append(then))
+    hooked = tuning_ahead._lowering(GraphLowering.__init__, config)
+    monkeypatch.setattr(GraphLowering, "__init__", hooked)
+
+    def compile_once(tuner_on: bool, scale: float) -> None:
+        torch._dynamo.reset()
+        fn = torch.compile(
+            lambda x: (x * scale).relu(), options={"coordinate_descent_tuning": tuner_on}
+        )
+        fn(torch.ones(8))
+
+    compile_once(False, 2.0)
+    assert started == []  # tuner off
+    compile_once(True, 3.0)
+    assert started == [tuning_ahead._pump]
+    compile_once(True, 3.0)  # the same graph again: from the cache, nothing lowered
+    assert started == [tuning_ahead._pump]
+
+
 def test_workers_from_the_environment(monkeypatch, caplog):
-    monkeypatch.setenv(tuning_ahead.ENV, "3")
-    assert tuning_ahead.workers() == 3
-    monkeypatch.setenv(tuning_ahead.ENV, "0")
-    assert tuning_ahead.workers() == 0
-    monkeypatch.setenv(tuning_ahead.ENV, "many")
-    assert tuning_ahead.workers() == 0 and "MIXPREC_TUNING_WORKERS='many'" in caplog.text
-    monkeypatch.delenv(tuning_ahead.ENV)
+    monkeypatch.setenv(tuning_workers.ENV, "3")
+    assert tuning_workers.workers() == 3
+    monkeypatch.setenv(tuning_workers.ENV, "0")
+    assert tuning_workers.workers() == 0
+    monkeypatch.setenv(tuning_workers.ENV, "many")
+    assert tuning_workers.workers() == 0 and "MIXPREC_TUNING_WORKERS='many'" in caplog.text
+    monkeypatch.delenv(tuning_workers.ENV)
     from torch._inductor import config
 
     monkeypatch.setattr(config, "compile_threads", 16)
-    assert tuning_ahead.workers() == 14
+    assert tuning_workers.workers() == 14
     monkeypatch.setattr(config, "compile_threads", 64)
-    assert tuning_ahead.workers() == 16
+    assert tuning_workers.workers() == 16
     monkeypatch.setattr(config, "compile_threads", 1)
-    assert tuning_ahead.workers() == 0
+    assert tuning_workers.workers() == 0
     monkeypatch.setattr(config, "compile_threads", 16)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: two ranks share the host
-    assert tuning_ahead.workers() == 6
+    assert tuning_workers.workers() == 6
 
 
 KERNEL_FILE = """
@@ -170,25 +321,25 @@ def test_a_worker_compiles_from_inductors_file_and_ignores_a_group_ctrl_c(tmp_pa
     out = tmp_path / "compiled.txt"
     path = tmp_path / "kernel.py"
     path.write_text(KERNEL_FILE.format(out=str(out)))
-    monkeypatch.setenv(tuning_ahead.ENV, "1")
-    monkeypatch.setattr(tuning_ahead, "_pool", [None])
-    monkeypatch.setattr(tuning_ahead, "_workers", [0])
-    tuning_ahead._start()  # as the first tuning does, in a thread
-    pool = tuning_ahead._pool[0]
-    assert tuning_ahead._workers == [1]
+    monkeypatch.setenv(tuning_workers.ENV, "1")
+    monkeypatch.setattr(tuning_workers, "_pool", [None])
+    monkeypatch.setattr(tuning_workers, "_workers", [0])
+    tuning_workers._start()  # as start() does, in a thread
+    pool = tuning_workers.get()
+    assert tuning_workers.size() == 1
     try:
-        pool.submit(tuning_ahead._compile, str(path), "k", triton.Config({"XBLOCK": 64}, 2)).result(
-            timeout=120
-        )
+        pool.submit(
+            tuning_workers.compile_config, str(path), "k", triton.Config({"XBLOCK": 64}, 2)
+        ).result(timeout=120)
         pid = pool.submit(_pid).result(timeout=60)
         os.kill(pid, signal.SIGINT)
         time.sleep(0.5)
-        pool.submit(tuning_ahead._compile, str(path), "k", triton.Config({"XBLOCK": 8}, 4)).result(
-            timeout=60
-        )
+        pool.submit(
+            tuning_workers.compile_config, str(path), "k", triton.Config({"XBLOCK": 8}, 4)
+        ).result(timeout=60)
         assert pool.submit(_pid).result(timeout=60) == pid  # the same worker, alive
     finally:
-        tuning_ahead._stop(pool)  # at exit: the workers are killed, not waited for
+        tuning_workers.stop(pool)  # at exit: the workers are killed, not waited for
     for _ in range(100):
         try:
             os.kill(pid, 0)
@@ -207,8 +358,8 @@ def test_without_a_forkserver_tuning_compiles_in_the_loop(monkeypatch, caplog):
     def no_forkserver(method=None):
         raise ValueError(f"cannot find context for {method!r}")
 
-    monkeypatch.setattr(tuning_ahead.multiprocessing, "get_context", no_forkserver)
-    monkeypatch.setattr(tuning_ahead, "_pool", [None])
-    monkeypatch.setenv(tuning_ahead.ENV, "2")
-    tuning_ahead._start()
-    assert tuning_ahead._pool == [None] and "no compile workers" in caplog.text
+    monkeypatch.setattr(tuning_workers.multiprocessing, "get_context", no_forkserver)
+    monkeypatch.setattr(tuning_workers, "_pool", [None])
+    monkeypatch.setenv(tuning_workers.ENV, "2")
+    tuning_workers._start()
+    assert tuning_workers.get() is None and "no compile workers" in caplog.text

@@ -7,56 +7,51 @@ another. On a new machine that walk was most of experiment=fast's first step (23
 an H200, benchmarks/RESULTS.md). The walk cannot run in parallel (each step depends on the
 last timing), but what it will try next is known: the neighbours, in every field, of the best
 config so far. `apply()` wraps the tuner so that whenever the best changes, those neighbours
-and theirs are compiled in a pool of worker processes (Triton writes each into its file
-cache); when the walk reaches one, Triton's compile there is a cache hit. The walk and its
-benchmarks are inductor's own; one choice differs: a kernel whose starting config runs in
-under TINY_MS keeps it (tuning such a kernel bought 0.015 ms of a 64 ms step, for 16 s).
+and theirs are compiled in worker processes (tuning_workers.py; Triton writes each into its file
+cache); when the walk reaches one, Triton's compile there is a cache hit. Workers left idle
+compile the first round (the neighbours of the starting config) of every kernel inductor has
+compiled and not yet tuned, in the order it compiled them, so a kernel's walk starts with
+its first round ready. The walk and its benchmarks are inductor's own; one choice differs: a
+kernel whose starting config runs in under min_ms() keeps it (MIXPREC_TUNING_MIN_MS, 0.05 ms
+by default: in three traces of experiment=fast on an H200 tuning the kernels under 0.05 ms
+bought 0.20-0.35 ms of a ~64 ms step, for 15-19 s of a cold start).
 
-Workers: MIXPREC_TUNING_WORKERS (0 turns all of this off), by default inductor's
-compile_threads (shared among torchrun's processes on the host) less 2, at most 16. They are
-forked from one server process (multiprocessing's forkserver: no CUDA context, no inherited
-signal handlers, torch imported once), ignore SIGINT (a Ctrl-C to the process group is the
-trainer's to handle) and die with that server."""
+The pool starts when inductor first lowers a graph with the tuner on (a cache miss, so there
+will be kernels to tune: a warm start lowers nothing and starts none), or at the first
+tuning."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import copy
-import importlib.util
 import logging
-import multiprocessing
 import os
-import signal
 import threading
 
+from . import tuning_workers
+
 log = logging.getLogger("mixprec.models")
-ENV = "MIXPREC_TUNING_WORKERS"
-# imported once by the forkserver (the entrypoint too, as multiprocessing does for each child)
-PRELOAD = ["__main__", "torch._inductor.runtime.triton_heuristics"]
-TINY_MS = 0.02  # a kernel faster than this at its starting config is not tuned
+MIN_MS_ENV, MIN_MS = "MIXPREC_TUNING_MIN_MS", 0.05  # faster at its starting config: untuned
 _current: list = [None]  # the _Ahead of the kernel being tuned (kernels tune one at a time)
 _lock = threading.RLock()  # the queues and the count in flight (callbacks come from the pool)
-_inflight, _workers = [0], [0]
-_pool: list = []  # [the pool once its workers are up, or None]; empty until first asked for
-_loaded: dict[tuple[str, str], object] = {}  # in a worker: (file, kernel name) -> its autotuner
-# tuned walks, tiny ones left untuned, configs sent ahead, found compiled when the walk came
-stats = {"kernels": 0, "tiny": 0, "sent": 0, "ready": 0}
+_inflight = [0]
+# kernels compiled and not yet tuned, in the order inductor compiled them: their first rounds
+_waiting: dict[tuple[str, str], _Ahead] = {}
+# tuned walks, tiny ones left untuned, configs sent ahead (of them, first rounds sent before
+# their walk began), found compiled when the walk came
+stats = {"kernels": 0, "tiny": 0, "sent": 0, "early": 0, "ready": 0}
 
 
-def workers() -> int:
-    """How many worker processes compile ahead (0: none); by default the host's share of one
-    process among torchrun's LOCAL_WORLD_SIZE on this host."""
-    raw = os.environ.get(ENV, "").strip()
-    if raw:
-        try:
-            return max(0, int(raw))
-        except ValueError:
-            log.warning("%s=%r is not a whole number: tuning compiles in the loop", ENV, raw)
-            return 0
-    from torch._inductor import config
-
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return max(0, min(16, int(config.compile_threads) // ranks - 2))
+def min_ms() -> float:
+    """A kernel faster than this (ms) at its starting config keeps it, untuned."""
+    raw = os.environ.get(MIN_MS_ENV, "").strip()
+    try:
+        value = float(raw) if raw else MIN_MS
+        if value >= 0:
+            return value
+    except ValueError:
+        pass
+    log.warning("%s=%r is not a number >= 0: %g ms", MIN_MS_ENV, raw, MIN_MS)
+    return MIN_MS
 
 
 def apply() -> bool:
@@ -74,22 +69,80 @@ def apply() -> bool:
         return False
     if getattr(kernel_cls.coordinate_descent_tuning, "_mixprec_ahead", False):
         return True
-    if workers() == 0:
+    if tuning_workers.workers() == 0:
         return False
     kernel_cls.coordinate_descent_tuning = _tuning(kernel_cls.coordinate_descent_tuning)
     tuner_cls.call_func = _call_func(tuner_cls.call_func)
+    if hasattr(kernel_cls, "precompile"):
+        kernel_cls.precompile = _precompile(kernel_cls.precompile)
+    try:
+        from torch._inductor import config
+        from torch._inductor.graph import GraphLowering
+    except ImportError:  # the pool then starts at the first tuning
+        return True
+    GraphLowering.__init__ = _lowering(GraphLowering.__init__, config)
     return True
+
+
+def _lowering(original, config):
+    """GraphLowering.__init__, which starts the pool when the tuner is on."""
+
+    def __init__(self, *args, **kwargs):
+        if config.coordinate_descent_tuning:
+            tuning_workers.start(then=_pump)
+        original(self, *args, **kwargs)
+
+    return __init__
+
+
+def _precompile(original):
+    """CachingAutotuner.precompile: a kernel just compiled, to be tuned at its first launch,
+    queues its walk's first round."""
+
+    def precompile(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if not kwargs.get("warm_cache_only", args[0] if args else False):
+            try:
+                _register(self)
+            except Exception as e:  # this torch's autotuner differs: the walk compiles it
+                log.debug("kernel tuning: %s not queued ahead (%r)", self, e)
+        return out
+
+    return precompile
+
+
+def _register(kernel) -> None:
+    launchers = getattr(kernel, "launchers", None) or []
+    meta, tuner = kernel.inductor_meta or {}, getattr(kernel, "coordesc_tuner", None)
+    path, name = getattr(kernel, "filename", None), meta.get("kernel_name")
+    if len(launchers) != 1 or tuner is None or not path or not name:
+        return  # several configs: autotuning picks the walk's start at launch
+    tuned = getattr(launchers[0].config, "found_by_coordesc", False)
+    if tuned or not meta.get("coordinate_descent_tuning"):
+        return
+    if not getattr(kernel, "_should_coordesc_tune", True):
+        return
+    ahead = _Ahead(path, name)
+    ahead.queue = [(_key(c), c) for c in _neighbours(tuner, launchers[0].config)]
+    with _lock:
+        _waiting[(path, name)] = ahead
+    tuning_workers.start(then=_pump)
+    _pump()
 
 
 def _tuning(original):
     """CachingAutotuner.coordinate_descent_tuning with this kernel's compiling done ahead."""
 
     def coordinate_descent_tuning(self, launcher, *args, **kwargs):
-        pool = _the_pool()
+        tuning_workers.start(then=_pump)
         path, name = getattr(self, "filename", None), self.inductor_meta.get("kernel_name")
-        if pool is None or not path or not name or not os.path.exists(path):
+        with _lock:
+            ahead = _waiting.pop((path, name), None) or _Ahead(path, name)
+            inline = tuning_workers.get() is None or not path or not name
+            _current[0] = None if inline else ahead
+        if inline:  # no workers yet: this walk compiles in line
+            ahead.close()
             return original(self, launcher, *args, **kwargs)
-        ahead = _current[0] = _Ahead(pool, path, name)
         stats["kernels"] += 1
         try:
             return original(self, launcher, *args, **kwargs)
@@ -119,18 +172,33 @@ def _call_func(original):
     return call_func
 
 
+def _pump() -> None:
+    """Send queued compiles while fewer are in flight than there are workers: the kernel being
+    tuned first, then the first rounds of kernels waiting for their walk, oldest first."""
+    with _lock:
+        pool = tuning_workers.get()
+        if pool is None:
+            return
+        for ahead in [_current[0], *_waiting.values()]:
+            if _inflight[0] >= tuning_workers.size():
+                return
+            if ahead is not None and not ahead.send(pool):
+                return
+
+
 class _Ahead:
     """The compiles sent ahead for one kernel's walk: a queue in the order the walk will need
     them, fed to the pool so that no more are in flight than it has workers (what waits in
     the queue can still be reordered or dropped when the best changes)."""
 
-    def __init__(self, pool: cf.ProcessPoolExecutor, path: str, name: str) -> None:
-        self.pool, self.path, self.name = pool, path, name
+    def __init__(self, path: str, name: str) -> None:
+        self.path, self.name = path, name
         self.queue: list[tuple[object, object]] = []  # (key, config), the next first
-        self.running: dict[object, cf.Future] = {}
+        self.running: dict = {}  # key -> its Future
         self.done: set = set()
         self.best: float | None = None
         self.tiny = self.closed = False
+        self.min_ms = min_ms()
 
     def wait_for(self, config) -> None:
         """Before the walk compiles `config`: compiled ahead, or being compiled (then wait:
@@ -151,7 +219,7 @@ class _Ahead:
     def seen(self, tuner, config, timing: float) -> None:
         """After the walk timed `config`: if it is the new best, queue its neighbours (the
         walk's next steps while it stays best), then theirs (after the next improvement)."""
-        if self.best is None and timing < TINY_MS:
+        if self.best is None and timing < self.min_ms:
             self.tiny = True
             stats["tiny"] += 1
             return
@@ -164,30 +232,31 @@ class _Ahead:
         with _lock:
             skip = self.done | set(self.running)
             self.queue = [(k, c) for k, c in wanted.items() if k not in skip]
-            self._pump()
+        _pump()
 
-    def _pump(self) -> None:
-        """Send queued compiles while fewer are in flight than there are workers (_lock held)."""
-        while self.queue and not self.closed and _inflight[0] < _workers[0]:
+    def send(self, pool) -> bool:
+        """Send from the queue while a worker is free (_lock held); False if the pool broke."""
+        while self.queue and not self.closed and _inflight[0] < tuning_workers.size():
             key, config = self.queue.pop(0)
             try:
-                future = self.pool.submit(_compile, self.path, self.name, config)
+                future = pool.submit(tuning_workers.compile_config, self.path, self.name, config)
             except RuntimeError:  # the pool broke (a worker killed): compile in the loop
                 self.queue.clear()
-                return
+                return False
             _inflight[0] += 1
             self.running[key] = future
             stats["sent"] += 1
+            stats["early"] += self is not _current[0]
             future.add_done_callback(lambda f, key=key: self._finished(key, f))
+        return True
 
-    def _finished(self, key, future: cf.Future) -> None:
+    def _finished(self, key, future) -> None:
         with _lock:
             _inflight[0] -= 1
             self.running.pop(key, None)
             if not future.cancelled() and future.exception() is None:
                 self.done.add(key)
-            if _current[0] is not None:
-                _current[0]._pump()  # a free worker: the kernel being tuned now sends more
+        _pump()  # a free worker
 
     def close(self) -> None:
         with _lock:
@@ -218,67 +287,3 @@ def _key(config):
     from torch._inductor.runtime.runtime_utils import triton_config_to_hashable
 
     return triton_config_to_hashable(config)
-
-
-def _the_pool() -> cf.ProcessPoolExecutor | None:
-    """The worker pool once its workers are up; None before (the first kernels tune in the
-    loop while a thread starts it: the forkserver imports torch first) and where it is off.
-    Started at the first tuning, so a warm start, which tunes nothing, starts none."""
-    with _lock:
-        if not _pool:
-            _pool.append(None)
-            if workers():
-                threading.Thread(target=_start, name="mixprec-tuning-pool", daemon=True).start()
-    return _pool[0]
-
-
-def _start() -> None:
-    n, pool = workers(), None
-    try:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)
-        pool = cf.ProcessPoolExecutor(n, context, _worker_init)
-        for future in [pool.submit(os.getpid) for _ in range(n)]:
-            future.result(timeout=300)
-    except Exception as e:  # no workers (no forkserver on this OS, a broken install)
-        log.warning("kernel tuning: no compile workers (%s); tuning compiles in the loop", e)
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
-        return
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:  # before concurrent.futures' own exit hook, which would join them
-        register(lambda: _stop(pool))
-    with _lock:
-        _workers[0], _pool[0] = n, pool
-    log.info("kernel tuning: %d worker processes compile the next candidates ahead", n)
-
-
-def _stop(pool: cf.ProcessPoolExecutor) -> None:
-    """At exit: the workers only ever compile ahead; end them at once rather than wait."""
-    with _lock:
-        _pool[:] = [None]
-    for process in list((getattr(pool, "_processes", None) or {}).values()):
-        process.kill()
-    pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _worker_init() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer answers a group's Ctrl-C
-    try:  # die with the forkserver, which ends with the trainer (Linux)
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _compile(path: str, name: str, config) -> None:
-    """In a worker: compile one config of the kernel defined in inductor's file `path` (the
-    result lands in Triton's file cache, where the trainer's compile of it finds it)."""
-    kernel = _loaded.get((path, name))
-    if kernel is None:
-        spec = importlib.util.spec_from_file_location(f"mixprec_kernel_{len(_loaded)}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        kernel = _loaded[(path, name)] = getattr(module, name)
-    kernel._precompile_config(config)
