@@ -477,6 +477,28 @@ def test_fsdp_on_one_gpu_trains_like_the_unsharded_run_and_gathers_fp8_weights_i
     )
 
 
+def test_batch_auto_under_fsdp_chooses_a_batch_the_sharded_run_trains(cfg_factory, tmp_path):
+    """batch=auto with parallel=fsdp on one GPU probes the model as the run shards it (FSDP2
+    over a group of one: its gather buffers and fp32 reduction included), so the batch it
+    picks under a 6 GiB cap trains under that cap."""
+    overrides = [
+        *LM_GPU,
+        "trainer.max_steps=6",
+        "precision=bf16",
+        "parallel=fsdp",
+        "batch=auto",
+        "hardware.memory_gib=6",
+        f"batch_search.cache={tmp_path / 'cache.json'}",
+    ]
+    try:
+        s = run.run(cfg_factory(*overrides, small=False))
+        assert s["status"] == "completed" and s["max_batch"] >= s["batch"] >= 8, s
+        assert s["peak_mem_gib"] < 6
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
 def test_sharded_dcp_checkpoints_resume_on_the_gpu(cfg_factory, tmp_path):
     """ckpt.sharded=true with parallel=fsdp on one GPU (NCCL), the width-512 LM in bf16: the
     step-10 DCP checkpoint resumes to the same step count and val loss within 1 % of the

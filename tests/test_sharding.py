@@ -13,7 +13,8 @@ import pytest
 import timm
 import torch
 
-from mixprec import checkpoint, export, run
+from mixprec import build, checkpoint, export, loop, run, sharding
+from mixprec.config import validate
 from mixprec.errors import CheckpointError, ConfigError
 
 from conftest import LM_CPU, ROOT, group, last_weights, run_torchrun, run_train, train_losses
@@ -286,3 +287,30 @@ def test_a_dir_holding_only_sharded_checkpoints_holds_a_run_and_overwrite_remove
         rundir.prepare(tmp_path, None, overwrite=False)
     rundir.prepare(tmp_path, None, overwrite=True)
     assert sorted(p.name for p in ckpts.iterdir()) == ["notes.txt"]
+
+
+def test_batch_auto_probes_fsdp2_over_each_rank_alone_and_waits_on_no_other_rank(tmp_path):
+    """batch=auto under parallel=fsdp: the probes are FSDP2 over a mesh of this rank alone (all
+    of the state, where training gives each rank a share: an upper bound on its memory), and a
+    probe on one rank runs while the other waits in a barrier (as after running out of memory):
+    no collective of the probe spans both ranks, or the run would hang here."""
+    env = {"PYTHONPATH": f"{ROOT / 'tests'}:{ROOT / 'src'}", "FSDP_PROBE_OUT": str(tmp_path)}
+    p = run_torchrun([str(ROOT / "tests" / "fsdp_probe.py")], env, timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    rows = {r["rank"]: r for r in (json.loads(f.read_text()) for f in tmp_path.glob("rank*.json"))}
+    assert sorted(rows) == [0, 1]
+    probe = rows[1]
+    assert probe["sharded"] and probe["mesh_sizes"] == [1] and probe["holds_all"]
+    assert probe["stepped"] == [True, True]
+    assert not rows[0]["world_holds_all"] and not rows[1]["world_holds_all"]  # training: shares
+
+
+def test_batch_auto_probes_a_world_of_one_sharded_as_its_run(cfg_factory, gloo_world_of_one):
+    """parallel=fsdp without torchrun (a group of one): the probe is the run's own FSDP2 model,
+    not the plain one (FSDP2 adds gather buffers and an fp32 gradient copy: a plain probe picks
+    a batch the sharded run cannot hold)."""
+    c = validate(cfg_factory(*LM_CPU, "parallel=fsdp", "batch=4"))
+    new_learner, inputs = build.probes(c, torch.device("cpu"))
+    learner = new_learner(4)
+    assert sharding.is_sharded(learner.model)
+    assert loop.train_step(learner, [inputs(4)], None).stepped

@@ -151,9 +151,10 @@ def test_scancel_of_a_job_with_loader_workers_leaves_a_preempted_run_with_a_chec
     assert "a second signal" not in (sweep / "0" / "train.log").read_text()
 
 
-def test_two_nodes_train_as_one_data_parallel_job(tmp_path):
-    """hydra.launcher.nodes=2 (one task per node): only global rank 0 writes the run dir, and
-    the losses equal one process with the same global batch."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_nodes_train_as_one_data_parallel_job(tmp_path, strategy):
+    """hydra.launcher.nodes=2 (one task per node), DDP or FSDP2: only global rank 0 writes the
+    run dir, and the losses equal one process with the same global batch."""
     sweep, single = tmp_path / "sweep", tmp_path / "single"
     common = [
         "model=digits_mlp",
@@ -172,6 +173,7 @@ def test_two_nodes_train_as_one_data_parallel_job(tmp_path):
             "hydra.launcher.timeout_min=5",
             *common,
             "batch=16",
+            f"parallel={strategy}",
             f"hydra.sweep.dir={sweep}",
         ],
         env_extra=ONE_THREAD,
@@ -180,6 +182,8 @@ def test_two_nodes_train_as_one_data_parallel_job(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     s = summary(sweep / "0")
     assert (s["world_size"], s["effective_batch"]) == (2, 64)
+    sharded = "the root sharded (FSDP2)" in (sweep / "0" / "train.log").read_text()
+    assert sharded == (strategy == "fsdp")
     one = run_train([*common, "batch=32", f"hydra.run.dir={single}"], env_extra=ONE_THREAD)
     assert one.returncode == 0, one.stderr[-3000:]
 

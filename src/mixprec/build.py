@@ -171,7 +171,7 @@ def assemble(
     inspect(model)
     sharding.check(c.parallel, prec, c.model, c.optimizer)
     if prec.sharded:  # sharding replaces the parameters
-        model = sharding.shard(model, c.parallel, prec, compiling.repeated_blocks(model))
+        model = sharding.shard(model, c.parallel, prec, compiling.repeated_blocks(model), dd.mesh)
     else:
         model = distributed.wrap(model, dd, device)
     if c.model.cuda_graphs:  # a fixed batch shape: the one every training step has
@@ -203,15 +203,16 @@ def _flops_and_peak(model, data, hw, prec, device) -> tuple[int | None, float | 
 
 def probes(c: TrainConfig, device: torch.device) -> tuple:
     """batch=auto's probes: (a fresh learner for a micro-batch size, an input batch of that
-    size), built by assemble like training, but unwrapped: a probe that runs out of memory on
-    one rank must not leave the others waiting in a DDP all-reduce."""
+    size), built by assemble like training, but on no other rank (distributed.probe_dist:
+    unwrapped, or parallel=fsdp sharded over this rank alone). Called on every rank."""
     num_classes, shape = datasets.spec(c.data)
     task = datasets.task(c.data)
+    alone = distributed.probe_dist(c.parallel.strategy == "fsdp", device.type)
 
     def new_learner(b: int) -> loop.Learner:
         prec = new_precision(c, device)
         spec = Spec(num_classes, shape, b, task)
-        model, opt = assemble(c, prec, spec, device, distributed.Dist(), 1e-6)
+        model, opt = assemble(c, prec, spec, device, alone, 1e-6)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
         return loop.Learner(model, opt, sched, prec, task)
 

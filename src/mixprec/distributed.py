@@ -27,6 +27,7 @@ class Dist:
     local_rank: int = 0
     world: int = 1
     grouped: bool = False  # in a process group (a world of one too, for parallel=fsdp)
+    mesh: object = None  # the DeviceMesh FSDP2 shards over (None: the whole world's)
 
     @property
     def main(self) -> bool:
@@ -106,6 +107,22 @@ def init(device_type: str, group_of_one: bool = False) -> Dist:
     if not dist.is_initialized():
         dist.init_process_group(_backend(device_type), timeout=datetime.timedelta(minutes=10))
     return Dist(rank, local_rank, world, grouped=True)
+
+
+def probe_dist(sharded: bool, device_type: str) -> Dist:
+    """The Dist a batch=auto probe is built with, on every rank at once: none (a probe that runs
+    out of memory on one rank must not leave the others waiting in a DDP all-reduce), or, for
+    parallel=fsdp, a mesh of this rank alone. FSDP2 then shards over one rank, which holds all
+    of the state a rank of the real world holds a share of (its peak bounds theirs from above;
+    in a world of one it is the run's own), and its collectives wait on no other rank."""
+    if not sharded:
+        return Dist()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return Dist(grouped=True)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    alone, _ = dist.new_subgroups(group_size=1)  # a collective: every rank makes its group
+    return Dist(grouped=True, mesh=DeviceMesh.from_group(alone, device_type))
 
 
 def _backend(device_type: str) -> str:

@@ -44,9 +44,11 @@ def resolve(c: TrainConfig, hw, device: torch.device, world: int, prec, probes) 
         layout.batch, layout.max_batch = auto_batch(c, hw, device, prec, probes)
         if world > 1 and c.parallel.strategy == "fsdp":
             log.warning(
-                "batch=auto probed the model unsharded (a sharded probe would leave the other "
-                "ranks waiting in a collective if one ran out of memory): batch %d leaves "
-                "room that sharding frees; give batch=<int> to use it",
+                "batch=auto probed FSDP2 over each rank alone (a probe that ran out of memory "
+                "inside a collective would leave the other ranks waiting): all of the state "
+                "where a rank of %d holds a share, so batch %d leaves room that sharding "
+                "frees; give batch=<int> to use it",
+                world,
                 layout.batch,
             )
     if c.effective_batch is None:

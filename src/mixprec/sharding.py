@@ -76,21 +76,26 @@ def param_dtype(prec) -> torch.dtype | None:
     return torch.bfloat16 if prec.dtype is torch.bfloat16 else None
 
 
-def shard(model: nn.Module, pcfg: ParallelConfig, prec, blocks: list[nn.Module]) -> nn.Module:
+def shard(
+    model: nn.Module, pcfg: ParallelConfig, prec, blocks: list[nn.Module], mesh=None
+) -> nn.Module:
     """fully_shard each block, then the root, with the policy of this precision and config,
-    starting from rank 0's weights on every rank (as DDP does)."""
+    over the world (starting from rank 0's weights on every rank, as DDP does) or over `mesh`
+    (batch=auto's probes: a mesh of one rank, its own weights)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    with torch.no_grad():  # each rank initialised its own copy (seed + rank): rank 0's, as DDP
-        for t in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(t, src=0)
+    if mesh is None:
+        with torch.no_grad():  # each rank initialised its own copy (seed + rank): rank 0's
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t, src=0)
     policy = MixedPrecisionPolicy(
         param_dtype=param_dtype(prec), reduce_dtype=getattr(torch, pcfg.reduce_dtype)
     )
+    how = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=pcfg.reshard_after_forward)
     for block in blocks:
-        fully_shard(block, mp_policy=policy, reshard_after_forward=pcfg.reshard_after_forward)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=pcfg.reshard_after_forward)
+        fully_shard(block, **how)
+    fully_shard(model, **how)
     log.info(
         "parallel=fsdp: %d blocks and the root sharded (FSDP2); weights gathered in %s, "
         "gradients reduced in %s",
