@@ -9,6 +9,7 @@ import concurrent.futures as cf
 import os
 import signal
 import time
+from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
@@ -315,9 +316,20 @@ def _pid() -> int:
     return os.getpid()
 
 
+def gone(pid: int) -> bool:
+    """The process has ended (no longer there, or a zombie its parent has not reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def test_a_worker_compiles_from_inductors_file_and_ignores_a_group_ctrl_c(tmp_path, monkeypatch):
-    """The real pool: spawned workers load the kernel's file and compile the config they were
-    sent; a SIGINT (a terminal's Ctrl-C reaches the whole group) leaves them working."""
+    """The real pool: forked workers load the kernel's file and compile the config they were
+    sent; a SIGINT (a terminal's Ctrl-C reaches the whole group) leaves them working. At exit
+    the workers and the server they were forked from end at once (left alone, the server would
+    notice the trainer had gone and tear down an interpreter holding torch, keeping the
+    trainer's stdout open about a second longer)."""
     out = tmp_path / "compiled.txt"
     path = tmp_path / "kernel.py"
     path.write_text(KERNEL_FILE.format(out=str(out)))
@@ -338,17 +350,26 @@ def test_a_worker_compiles_from_inductors_file_and_ignores_a_group_ctrl_c(tmp_pa
             tuning_workers.compile_config, str(path), "k", triton.Config({"XBLOCK": 8}, 4)
         ).result(timeout=60)
         assert pool.submit(_pid).result(timeout=60) == pid  # the same worker, alive
+        from multiprocessing import forkserver
+
+        server = forkserver._forkserver._forkserver_pid
+        assert server and not gone(server)
     finally:
         tuning_workers.stop(pool)  # at exit: the workers are killed, not waited for
     for _ in range(100):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if gone(pid) and gone(server):
             break
         time.sleep(0.05)
     else:
-        pytest.fail("the worker outlived _stop")
+        pytest.fail(f"outlived stop(): worker {not gone(pid)}, server {not gone(server)}")
     assert out.read_text().split("\n")[:2] == ["64 2", "8 4"]
+    monkeypatch.setattr(tuning_workers, "_pool", [None])  # a later pool: a new server
+    tuning_workers._start()
+    again = tuning_workers.get()
+    try:
+        assert again is not None and again.submit(_pid).result(timeout=60) != pid
+    finally:
+        tuning_workers.stop(again)
 
 
 def test_without_a_forkserver_tuning_compiles_in_the_loop(monkeypatch, caplog):

@@ -90,12 +90,24 @@ def _start(then=None) -> None:
 
 
 def stop(pool: cf.ProcessPoolExecutor) -> None:
-    """At exit: the workers only ever compile ahead; end them at once rather than wait."""
+    """At exit: the workers only ever compile ahead; end them, and the server they were forked
+    from, at once. (Left to itself the server notices the trainer is gone and tears down an
+    interpreter holding torch: about a second more, with the trainer's stdout still open.)"""
     with _lock:
         _pool[:] = [None]
     for process in list((getattr(pool, "_processes", None) or {}).values()):
         process.kill()
     pool.shutdown(wait=False, cancel_futures=True)
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            server._stop()  # reaps it and forgets it: a later pool starts a new one
+        except (AttributeError, OSError):
+            pass
 
 
 def _worker_init() -> None:
