@@ -98,6 +98,9 @@ def stop(pool: cf.ProcessPoolExecutor) -> None:
     for process in list((getattr(pool, "_processes", None) or {}).values()):
         process.kill()
     pool.shutdown(wait=False, cancel_futures=True)
+    manager = getattr(pool, "_executor_manager_thread", None)
+    if manager is not None:  # ended before concurrent.futures' exit hook would wake it
+        manager.join(timeout=2)
     from multiprocessing import forkserver
 
     server = getattr(forkserver, "_forkserver", None)
