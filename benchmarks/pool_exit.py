@@ -1,10 +1,12 @@
-"""How long a process that started the tuning workers (src/mixprec/tuning_workers.py) keeps its
-stdout open after its final line, against one that started none: each a fresh process that
-imports torch, optionally starts the pool, prints its final line and exits through train.py's
-quick exit; the time runs until the pipe closes (every process holding it has ended), as
-`train.py | tee log` or a CI runner sees it. Side by side, `--repeat` times each.
+"""How long a process that started worker pools keeps running after its final line, against
+one that started none: mixprec's tuning workers (src/mixprec/tuning_workers.py) and inductor's
+compile workers (the sidecar and pool inductor starts to compile Triton kernels; on a CPU
+nothing starts it, so the child does). Each a fresh process that imports torch, starts the
+pool, prints its final line and exits through train.py's quick exit; timed until its stdout
+closes (every process holding it has ended) and it has exited, as `train.py | tee log` or a
+CI runner sees it. Side by side, `--repeat` times each.
 
-    python3 benchmarks/pool_exit.py --workers 14 --repeat 3
+    python3 benchmarks/pool_exit.py --workers 14 --repeat 5
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def child(workers: int) -> None:
+def child(pool: str, workers: int) -> None:
     sys.path.insert(0, str(ROOT / "src"))
     from mixprec import quick_exit
 
@@ -30,18 +32,26 @@ def child(workers: int) -> None:
 
     from mixprec import tuning_workers
 
-    if workers:
+    if pool == "tuning":
         os.environ[tuning_workers.ENV] = str(workers)
         tuning_workers.start()
         while tuning_workers.get() is None:
             time.sleep(0.05)
+    elif pool == "inductor":
+        from torch._inductor import async_compile, config
+
+        config.compile_threads = workers
+        started = async_compile.AsyncCompile.process_pool()
+        started.submit(os.getpid).result()  # its workers are up
     print("final line", flush=True)
     quick_exit.exiting_with(0)
 
 
-def one(workers: int) -> float:
+def one(pool: str, workers: int) -> float:
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--child", str(workers)], stdout=subprocess.PIPE, text=True
+        [sys.executable, __file__, "--child", pool, "--workers", str(workers)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     for line in proc.stdout:
         if line.startswith("final line"):
@@ -54,13 +64,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child is not None:
-        return child(a.child)
-    rows = {n: [one(n) for _ in range(a.repeat)] for n in (0, a.workers)}
-    out = {f"{n} workers": round(statistics.median(t), 3) for n, t in rows.items()}
-    print(json.dumps({"stdout_open_after_final_line_s (median)": out, "cpus": os.cpu_count()}))
+        return child(a.child, a.workers)
+    rows = {p: [one(p, a.workers) for _ in range(a.repeat)] for p in ("none", "tuning", "inductor")}
+    out = {p: round(statistics.median(t), 3) for p, t in rows.items()}
+    print(json.dumps({"exit_after_final_line_s (median)": out, "workers": a.workers}))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -506,3 +509,66 @@ def test_the_warm_start_fix_keeps_a_cached_tuned_config(monkeypatch):
     kernel.compile_results = [NS(config=miss), NS(config=cfg(16))]
     inductor_fix._recheck_autotune_cache(kernel, reload_kernel_from_src=None)
     assert len(kernel.compile_results) == 2 and not hasattr(miss, "found_by_coordesc")
+
+
+END_WORKERS = """
+import json, logging, os, sys
+from pathlib import Path
+from mixprec import quick_exit
+from torch._inductor import async_compile
+
+pool = async_compile.AsyncCompile.process_pool()  # as inductor starts it to compile kernels
+assert pool.submit(os.getpid).result() != os.getpid()  # its workers are up
+workers = quick_exit._children(pool.process.pid)
+warned = []
+
+
+class Keep(logging.Handler):
+    def emit(self, record):
+        warned.append(record.getMessage())
+
+
+for name in ("", "torch", "torch._inductor"):
+    logging.getLogger(name).addHandler(Keep(logging.WARNING))
+if os.environ.get("KILL_ONLY"):  # how the check sees a pool killed under torch's feet
+    pool.process.kill()
+    pool.process.wait()
+else:
+    quick_exit.end_compile_workers()
+async_compile.shutdown_compile_workers()  # torch's own handler, after ours at exit
+alive = [w for w in workers if Path(f"/proc/{w}").exists()
+         and Path(f"/proc/{w}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+print(json.dumps({"sidecar": pool.process.returncode, "workers": len(workers),
+                  "alive": alive, "warned": [w for w in warned if "pool" in w.lower()]}))
+"""
+
+
+def test_at_exit_inductors_compile_workers_are_killed_not_waited_for(tmp_path):
+    """torch's own atexit handler asks inductor's compile-worker sidecar (what inductor starts
+    to compile Triton kernels on a GPU) to stop and waits while it and each worker tear down an
+    interpreter holding torch (3.2 s on this 2-core CPU with 4 workers; benchmarks/RESULTS.md).
+    quick_exit ends them first: the sidecar killed, its workers gone, and torch's shutdown
+    afterwards finds the pool closed and says nothing."""
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_COMPILE_THREADS": "2",  # a sidecar with a pool of 2
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path),
+        "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
+    }
+
+    def ended(kill_only: bool) -> dict:
+        p = subprocess.run(
+            [sys.executable, "-c", END_WORKERS],
+            env={**env, "KILL_ONLY": "1" if kill_only else ""},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    out = ended(kill_only=False)
+    assert out["sidecar"] == -signal.SIGKILL and out["workers"] >= 1
+    assert out["alive"] == [] and out["warned"] == []
+    crude = ended(kill_only=True)  # the sidecar alone killed: what these checks would see
+    assert crude["alive"] and crude["warned"]
