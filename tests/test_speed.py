@@ -512,7 +512,7 @@ def test_the_warm_start_fix_keeps_a_cached_tuned_config(monkeypatch):
 
 
 END_WORKERS = """
-import json, logging, os, sys
+import json, logging, os, sys, time
 from pathlib import Path
 from mixprec import quick_exit
 from torch._inductor import async_compile
@@ -536,10 +536,26 @@ if os.environ.get("KILL_ONLY"):  # how the check sees a pool killed under torch'
 else:
     quick_exit.end_compile_workers()
 async_compile.shutdown_compile_workers()  # torch's own handler, after ours at exit
-alive = [w for w in workers if Path(f"/proc/{w}").exists()
-         and Path(f"/proc/{w}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+
+
+def running(pid):
+    try:  # a process that is gone, or a zombie, has ended
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def alive():
+    return [w for w in workers if running(w)]
+
+
+for _ in range(0 if os.environ.get("KILL_ONLY") else 200):
+    if not alive():  # SIGKILL lands asynchronously: on a loaded machine it takes a moment
+        break
+    time.sleep(0.05)
+
 print(json.dumps({"sidecar": pool.process.returncode, "workers": len(workers),
-                  "alive": alive, "warned": [w for w in warned if "pool" in w.lower()]}))
+                  "alive": alive(), "warned": [w for w in warned if "pool" in w.lower()]}))
 """
 
 
