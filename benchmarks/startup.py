@@ -61,6 +61,15 @@ def one(
     return row
 
 
+def per_run(folder: Path | None, name: str) -> Path | None:
+    """FOLDER/NAME for one run (the folder made, an older file removed); None without FOLDER."""
+    if folder is None:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).unlink(missing_ok=True)
+    return folder / name
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--args", nargs="*", default=["experiment=fast"], help="train.py overrides")
@@ -92,15 +101,7 @@ def main() -> None:
     for kind in a.runs:
         if kind == "cold":
             shutil.rmtree(a.cache, ignore_errors=True)
-        trace = None
-        if a.trace:
-            a.trace.mkdir(parents=True, exist_ok=True)
-            trace = a.trace / f"{kind}.jsonl"
-            trace.unlink(missing_ok=True)
-        log = None
-        if a.logs:
-            a.logs.mkdir(parents=True, exist_ok=True)
-            log = a.logs / f"{kind}.log"
+        trace, log = per_run(a.trace, f"{kind}.jsonl"), per_run(a.logs, f"{kind}.log")
         rows.append({"run": kind, **one(a.args, env, a.timeout, trace, log)})
         print(json.dumps(rows[-1]), flush=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -114,7 +114,7 @@ def _precompile(original):
 def _register(kernel) -> None:
     launchers = getattr(kernel, "launchers", None) or []
     meta, tuner = kernel.inductor_meta or {}, getattr(kernel, "coordesc_tuner", None)
-    path, name = getattr(kernel, "filename", None), meta.get("kernel_name")
+    path, name = _where(kernel)
     if len(launchers) != 1 or tuner is None or not path or not name:
         return  # several configs: autotuning picks the walk's start at launch
     tuned = getattr(launchers[0].config, "found_by_coordesc", False)
@@ -130,12 +130,17 @@ def _register(kernel) -> None:
     _pump()
 
 
+def _where(kernel) -> tuple[str | None, str | None]:
+    """(inductor's file defining the kernel, its name there): what a worker loads it by."""
+    return getattr(kernel, "filename", None), (kernel.inductor_meta or {}).get("kernel_name")
+
+
 def _tuning(original):
     """CachingAutotuner.coordinate_descent_tuning with this kernel's compiling done ahead."""
 
     def coordinate_descent_tuning(self, launcher, *args, **kwargs):
         tuning_workers.start(then=_pump)
-        path, name = getattr(self, "filename", None), self.inductor_meta.get("kernel_name")
+        path, name = _where(self)
         with _lock:
             ahead = _waiting.pop((path, name), None) or _Ahead(path, name)
             inline = tuning_workers.get() is None or not path or not name
