@@ -292,15 +292,18 @@ def test_workers_from_the_environment(monkeypatch, caplog):
     monkeypatch.delenv(tuning_workers.ENV)
     from torch._inductor import config
 
-    monkeypatch.setattr(config, "compile_threads", 16)
-    assert tuning_workers.workers() == 14
-    monkeypatch.setattr(config, "compile_threads", 64)
-    assert tuning_workers.workers() == 16
-    monkeypatch.setattr(config, "compile_threads", 1)
-    assert tuning_workers.workers() == 0
-    monkeypatch.setattr(config, "compile_threads", 16)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: two ranks share the host
-    assert tuning_workers.workers() == 6
+    # config.patch, inductor's own: pytest's monkeypatch undoes by deleting the key from
+    # inductor's config, and later compiles in this process fail on it
+    with config.patch(compile_threads=16):
+        assert tuning_workers.workers() == 14
+    with config.patch(compile_threads=64):
+        assert tuning_workers.workers() == 16
+    with config.patch(compile_threads=1):
+        assert tuning_workers.workers() == 0
+    with config.patch(compile_threads=16):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: two ranks share the host
+        assert tuning_workers.workers() == 6
+    assert config.compile_threads >= 1  # still there
 
 
 KERNEL_FILE = """
