@@ -12,7 +12,7 @@ import torch
 from mixprec import hardware, process, run
 from mixprec.errors import ConfigError, OutOfMemory
 
-from conftest import group
+from conftest import compose_cfg, group
 
 pytestmark = pytest.mark.gpu
 GPU_SMALL = [
@@ -44,6 +44,31 @@ def test_every_precision_trains_on_the_gpu(cfg_factory, prec):
         s["loss_scale"] == (65536.0 if prec.startswith("amp") else None) or s["skipped_steps"] > 0
     )
     assert s["samples_per_s"] > 0
+
+
+def test_flop_count_on_meta_matches_the_gpus_count_for_resnet_and_fp8():
+    """The MFU count runs on the meta device; on the GPU it must count what a real step counts:
+    ResNet-50 as experiment=fast builds it (channels_last, mixprec's max-pool, fp16 autocast),
+    and torchao's float8 linears, whose GPU path runs torch._scaled_mm."""
+    from torchao.float8 import convert_to_float8_training
+
+    from mixprec import models, perf, precision
+    from mixprec.config import validate
+    from mixprec.tasks import CLASSIFY
+
+    cuda, meta = torch.device("cuda"), torch.device("meta")
+    cfg = validate(compose_cfg(["experiment=fast"]))
+    resnet = models.build(cfg.model, 1000, (3, 224, 224), cuda)
+    amp = precision.build(group("precision", "amp"), group("scaler"), cuda)
+    args = (amp.autocast, 16, CLASSIFY, (3, 224, 224), 1000)
+    on_meta = perf._flop_counts(resnet, meta, *args)
+    assert on_meta["Global"] and on_meta == perf._flop_counts(resnet, cuda, *args)
+    fp8 = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
+    convert_to_float8_training(fp8.to(cuda))
+    bf16 = precision.build(group("precision", "bf16"), group("scaler"), cuda)
+    args = (bf16.autocast, 16, CLASSIFY, (256,), 128)
+    on_meta = perf._flop_counts(fp8, meta, *args)
+    assert on_meta["Global"] and on_meta == perf._flop_counts(fp8, cuda, *args)
 
 
 def test_autocast_dtypes_on_cuda():

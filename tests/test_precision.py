@@ -393,6 +393,27 @@ def test_the_loop_counts_skipped_steps_and_holds_the_scheduler(tmp_path, fused, 
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
+def test_flop_count_runs_no_kernel_yet_counts_what_a_real_step_counts():
+    """The MFU count runs on the meta device (on a GPU its eager step on the real device cost
+    5-14 s of the start). It must count what a step on the device counts, module by module, for
+    a ResNet in channels_last with mixprec's max-pool op, and run nothing there: the run's random
+    stream is the same as if no count had happened."""
+    from mixprec import models, perf
+    from mixprec.tasks import CLASSIFY
+
+    cfg = validate(
+        compose_cfg(["model=resnet50", "model.channels_last=true", "model.triton_max_pool=true"])
+    )
+    model = models.build(cfg.model, 10, (3, 32, 32), CPU)
+    args = (fp32().autocast, 16, CLASSIFY, (3, 32, 32), 10)
+    on_meta = perf._flop_counts(model, torch.device("meta"), *args)
+    assert on_meta == perf._flop_counts(model, CPU, *args)
+    assert on_meta["Global"]  # counted at all
+    before = torch.get_rng_state()
+    perf.train_flops(model, (3, 32, 32), 10, CPU, fp32().autocast)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_mfu_flop_count_matches_a_hand_count():
     from mixprec import perf
 

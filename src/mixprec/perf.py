@@ -179,15 +179,13 @@ def train_flops(
     task=None,
 ) -> tuple[int, int]:
     """(all, in the `owned` modules) forward + backward FLOPs of one sample, counted once by
-    torch.utils.flop_counter on a copy
-    of the real model (so BatchNorm statistics and gradients of the run are untouched).
+    torch.utils.flop_counter on a copy of the real model (so BatchNorm statistics and gradients
+    of the run are untouched). The copy lives on the meta device: counting needs shapes, not
+    values, so no kernel runs (on a GPU the eager step cost 5-14 s of the start: cuDNN's
+    benchmark and a cold Triton cache); a model that cannot run on meta is counted on `device`.
     A torch.compile'd model is counted on its eager module: a compiled forward first called under
     FlopCounterMode is not compiled for the real batch afterwards (benchmarks/RESULTS.md). A batch
     of 16 keeps every matmul dimension a multiple of 16, as float8 matmuls need (precision=fp8)."""
-    import copy
-
-    from torch.utils.flop_counter import FlopCounterMode
-
     from .models import unwrap
 
     task = task or CLASSIFY
@@ -195,19 +193,42 @@ def train_flops(
     if hasattr(plain, "flops_per_token"):  # a language model states its count (llama.py)
         return stated_flops(plain, input_shape[0], owned)
     batch = 16
-    twin = copy.deepcopy(plain).train()
+    try:
+        counts = _flop_counts(
+            plain, torch.device("meta"), autocast, batch, task, input_shape, num_classes
+        )
+    except (NotImplementedError, RuntimeError, TypeError) as err:  # an op or subclass without meta
+        log.debug("FLOP count on the meta device failed (%s); counting on %s", err, device)
+        counts = _flop_counts(plain, device, autocast, batch, task, input_shape, num_classes)
+    prefix = len(type(plain).__name__) + 1  # counter keys: Class.name
+    in_owned = sum(sum(ops.values()) for key, ops in counts.items() if key[prefix:] in owned)
+    return sum(counts.get("Global", {}).values()) // batch, in_owned // batch
+
+
+def _flop_counts(plain, device, autocast, batch, task, input_shape, num_classes) -> dict:
+    """One training step of a copy of `plain` on `device` under FlopCounterMode: its counts per
+    module (key "Global": the whole step)."""
+    import copy
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    memo = {}
+    if device.type == "meta":  # copy without copying the weights: each becomes an empty meta twin
+        for t in [*plain.parameters(), *plain.buffers()]:
+            twin = torch.empty_like(t, device="meta")
+            memo[id(t)] = (
+                torch.nn.Parameter(twin, t.requires_grad)
+                if isinstance(t, torch.nn.Parameter)
+                else twin
+            )
+    twin = copy.deepcopy(plain, memo).train()
     x = task.inputs(batch, input_shape, num_classes, device)
     y = task.targets(batch, input_shape, num_classes, device)
     with FlopCounterMode(display=False) as counter:
         with autocast():
             loss = task.loss(twin(x).float(), y)
         loss.backward()
-    del twin
-    prefix = len(type(plain).__name__) + 1  # counter keys: Class.name
-    in_owned = sum(
-        sum(ops.values()) for key, ops in counter.get_flop_counts().items() if key[prefix:] in owned
-    )
-    return counter.get_total_flops() // batch, in_owned // batch
+    return counter.get_flop_counts()
 
 
 def stated_flops(model: torch.nn.Module, seq_len: int, owned: set[str]) -> tuple[int, int]:
