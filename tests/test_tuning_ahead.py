@@ -95,6 +95,21 @@ def test_a_tiny_kernel_keeps_its_starting_config_untuned(monkeypatch):
     assert best != start and len(benchmarked) > 1
 
 
+def test_a_kernel_first_launched_while_evaluating_keeps_its_start_and_tunes_later(monkeypatch):
+    """Inside untuned() (a compiled model evaluating) a kernel's first launch walks nothing and
+    keeps its starting launcher; launched again outside, it walks as inductor would."""
+    before = tuning_ahead.stats["untuned"]
+    kernel = NS(filename=__file__, inductor_meta={"kernel_name": "k"})
+    launcher = NS(config=triton.Config({"XBLOCK": 32}, num_warps=1))
+    tuning = tuning_ahead._tuning(lambda *args: pytest.fail("the walk ran"))
+    with tuning_ahead.untuned():
+        assert tuning(kernel, launcher) is launcher
+    assert tuning_ahead.stats["untuned"] == before + 1
+    best, benchmarked = walk(True, monkeypatch, [], Inline())
+    assert best == tuning_ahead._key(triton.Config({"XBLOCK": 256}, num_warps=8))
+    assert benchmarked
+
+
 def test_the_tuning_line_from_the_environment(monkeypatch, caplog):
     monkeypatch.setenv(tuning_ahead.MIN_MS_ENV, "0.1")
     assert tuning_ahead.min_ms() == 0.1

@@ -40,6 +40,8 @@ def compiled(model: nn.Module, mcfg: ModelConfig) -> nn.Module:
     else:
         model = compile_model(model, mcfg.compile_mode, dict(mcfg.compile_options))
         what = "the model"
+    if mcfg.compile_options.get("coordinate_descent_tuning"):
+        untuned_while_evaluating(model if mcfg.compile_scope == "model" else unwrap(model))
     log.info(
         "model.compile: torch.compile(mode=%s, options=%s) wraps %s in %.1fs; the first "
         "steps compile (excluded from samples_per_s by trainer.perf_warmup_steps)",
@@ -71,6 +73,24 @@ def compile_model(model: nn.Module, mode: str | None, options: dict) -> nn.Modul
             f"model.compile_options: {str(e).split(', known options')[0]} "
             "(allowed: the keys of torch._inductor.config)"
         ) from None
+
+
+def untuned_while_evaluating(model: nn.Module) -> None:
+    """Kernels first launched while `model` (called eagerly: the compiled wrapper, or the
+    model whose blocks are compiled) runs in eval mode skip coordinate-descent tuning
+    (tuning_ahead.begin_untuned): an evaluation's kernels are a small share of a run's time,
+    and tuning them cost ~14 s of experiment=fast's cold start on an H200."""
+
+    def before(m: nn.Module, args) -> None:
+        if not m.training:
+            tuning_ahead.begin_untuned()
+
+    def after(m: nn.Module, args, out) -> None:
+        if not m.training:
+            tuning_ahead.end_untuned()
+
+    model.register_forward_pre_hook(before)
+    model.register_forward_hook(after, always_call=True)
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:

@@ -26,6 +26,7 @@ import copy
 import logging
 import os
 import threading
+from contextlib import contextmanager
 
 from . import tuning_workers
 
@@ -38,7 +39,31 @@ _inflight = [0]
 _waiting: dict[tuple[str, str], _Ahead] = {}
 # tuned walks, tiny ones left untuned, configs sent ahead (of them, first rounds sent before
 # their walk began), found compiled when the walk came
-stats = {"kernels": 0, "tiny": 0, "sent": 0, "early": 0, "ready": 0}
+stats = {"kernels": 0, "tiny": 0, "sent": 0, "early": 0, "ready": 0, "untuned": 0}
+_untuned = [0]  # > 0: inside untuned() (a model evaluating), no kernel walks
+
+
+def begin_untuned() -> None:
+    """From now until end_untuned(), a kernel launched for the first time keeps inductor's
+    starting config; its walk is skipped, and a later launch outside tunes it. compiling.py
+    calls these around the forward of a compiled model in eval mode: on an H200 the first
+    evaluation of experiment=fast spent ~14 s of a cold start tuning kernels that run for
+    well under a second per evaluation (benchmarks/RESULTS.md)."""
+    _untuned[0] += 1
+
+
+def end_untuned() -> None:
+    _untuned[0] = max(0, _untuned[0] - 1)
+
+
+@contextmanager
+def untuned():
+    """begin_untuned() ... end_untuned() as a with-block."""
+    begin_untuned()
+    try:
+        yield
+    finally:
+        end_untuned()
 
 
 def min_ms() -> float:
@@ -55,8 +80,9 @@ def min_ms() -> float:
 
 
 def apply() -> bool:
-    """Wrap inductor's coordinate-descent tuner (once); False where this torch lacks the
-    methods it wraps or workers() is 0."""
+    """Wrap inductor's coordinate-descent tuner (once): walks skipped inside untuned(), and
+    candidates compiled ahead. False where this torch lacks the methods it wraps (nothing
+    wrapped) or workers() is 0 (the walks compile in line)."""
     try:
         from torch._inductor.runtime import coordinate_descent_tuner as cd
         from torch._inductor.runtime import triton_heuristics as th
@@ -68,9 +94,7 @@ def apply() -> bool:
     if not all(hasattr(owner, name) for owner, name in uses):
         return False
     if getattr(kernel_cls.coordinate_descent_tuning, "_mixprec_ahead", False):
-        return True
-    if tuning_workers.workers() == 0:
-        return False
+        return tuning_workers.workers() > 0
     kernel_cls.coordinate_descent_tuning = _tuning(kernel_cls.coordinate_descent_tuning)
     tuner_cls.call_func = _call_func(tuner_cls.call_func)
     if hasattr(kernel_cls, "precompile"):
@@ -79,9 +103,9 @@ def apply() -> bool:
         from torch._inductor import config
         from torch._inductor.graph import GraphLowering
     except ImportError:  # the pool then starts at the first tuning
-        return True
+        return tuning_workers.workers() > 0
     GraphLowering.__init__ = _lowering(GraphLowering.__init__, config)
-    return True
+    return tuning_workers.workers() > 0  # with none, each walk compiles in line
 
 
 def _lowering(original, config):
@@ -139,6 +163,9 @@ def _tuning(original):
     """CachingAutotuner.coordinate_descent_tuning with this kernel's compiling done ahead."""
 
     def coordinate_descent_tuning(self, launcher, *args, **kwargs):
+        if _untuned[0]:  # evaluating: this launch keeps the starting config; a later one tunes
+            stats["untuned"] += 1
+            return launcher
         tuning_workers.start(then=_pump)
         path, name = _where(self)
         with _lock:

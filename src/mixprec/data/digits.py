@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 import torch
 from omegaconf import MISSING
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch.utils.data import TensorDataset
 
 from ..errors import check
@@ -42,6 +40,11 @@ def spec(cfg: Config) -> tuple[int, tuple[int, ...]]:
 
 def tensors(cfg: Config):
     """(x_train, y_train, x_val, y_val): a stratified split, standardised by train statistics."""
+    # imported here: every run lists the datasets (data.names()), and scikit-learn's import took
+    # 1.4-1.7 s of a GPU run's start that never reads the digits (benchmarks/RESULTS.md)
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     x, y = load_digits(return_X_y=True)
     x_tr, x_va, y_tr, y_va = train_test_split(
         x, y, test_size=cfg.val_fraction, random_state=cfg.data_seed, stratify=y
