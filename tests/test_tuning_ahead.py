@@ -256,16 +256,25 @@ def test_the_kernel_being_tuned_goes_first_and_first_rounds_fill_free_workers(mo
 
 
 @pytest.mark.parametrize(
-    "why", ["tuned", "two configs", "tuner off"], ids=["warm", "autotuned", "off"]
+    "why",
+    ["tuned", "two configs", "tuner off", "evaluating"],
+    ids=["warm", "autotuned", "off", "evaluating"],
 )
 def test_a_kernel_that_will_not_walk_queues_nothing(monkeypatch, why):
     """A kernel whose tuned config came from the cache (a warm start), one of several configs
-    (autotuning picks the start at launch), or with the tuner off: nothing queued or sent."""
+    (autotuning picks the start at launch), with the tuner off, or compiled for an evaluation
+    (its launches are untuned): nothing queued or sent. The last one started 14 idle workers
+    in a warm run on the H200, whose evaluation kernels were loaded untuned from the cache."""
     pool = Recording()
     pool_of(monkeypatch, pool, 4)
     start = triton.Config({"XBLOCK": 32}, num_warps=1)
     kwargs = {"tuned": {"tuned": True}, "two configs": {"launchers": 2}}.get(why, {})
-    tuning_ahead._register(compiled_kernel("k", start, tuner_on=why != "tuner off", **kwargs))
+    kernel = compiled_kernel("k", start, tuner_on=why != "tuner off", **kwargs)
+    if why == "evaluating":
+        with tuning_ahead.untuned():
+            tuning_ahead._register(kernel)
+    else:
+        tuning_ahead._register(kernel)
     assert tuning_ahead._waiting == {} and pool.sent == []
 
 
@@ -291,6 +300,9 @@ def test_the_pool_starts_when_inductor_lowers_a_graph_with_the_tuner_on(monkeypa
 
     compile_once(False, 2.0)
     assert started == []  # tuner off
+    with tuning_ahead.untuned():
+        compile_once(True, 4.0)
+    assert started == []  # lowered for an evaluation: its kernels will not walk
     compile_once(True, 3.0)
     assert started == [tuning_ahead._pump]
     compile_once(True, 3.0)  # the same graph again: from the cache, nothing lowered

@@ -109,10 +109,11 @@ def apply() -> bool:
 
 
 def _lowering(original, config):
-    """GraphLowering.__init__, which starts the pool when the tuner is on."""
+    """GraphLowering.__init__, which starts the pool when the tuner is on (and the graph is
+    not lowered for an evaluation, whose kernels will not walk)."""
 
     def __init__(self, *args, **kwargs):
-        if config.coordinate_descent_tuning:
+        if config.coordinate_descent_tuning and not _untuned[0]:
             tuning_workers.start(then=_pump)
         original(self, *args, **kwargs)
 
@@ -136,6 +137,8 @@ def _precompile(original):
 
 
 def _register(kernel) -> None:
+    if _untuned[0]:  # compiled (or loaded) for an evaluation: it will not walk
+        return
     launchers = getattr(kernel, "launchers", None) or []
     meta, tuner = kernel.inductor_meta or {}, getattr(kernel, "coordesc_tuner", None)
     path, name = _where(kernel)
