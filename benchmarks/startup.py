@@ -10,6 +10,11 @@ from summary.json, and times the gap between the run's final line and the proces
     MIXPREC_TUNING_WORKERS=0 python3 benchmarks/startup.py --runs cold   # tuning compiles in line
     MIXPREC_TUNING_MIN_MS=0 python3 benchmarks/startup.py --runs cold    # every kernel tuned
 
+Python's own bytecode counts too: where the image has none (PYTHONDONTWRITEBYTECODE, as on the
+GPU machines here), compile it first as an install would, e.g.
+    export PYTHONPYCACHEPREFIX=/tmp/pyc; python3 -m compileall -q -j 0 $(python3 -c \
+        "import site; print(*site.getsitepackages())") src
+
 Measured rows: benchmarks/RESULTS.md ("Time to the first step").
 """
 
@@ -70,6 +75,12 @@ def per_run(folder: Path | None, name: str) -> Path | None:
     return folder / name
 
 
+def _bytecode_cached(module) -> bool:
+    import importlib.util
+
+    return os.path.exists(importlib.util.cache_from_source(module.__file__))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--args", nargs="*", default=["experiment=fast"], help="train.py overrides")
@@ -96,6 +107,10 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "tuning_workers": os.environ.get("MIXPREC_TUNING_WORKERS", "default"),
         "tuning_min_ms": os.environ.get("MIXPREC_TUNING_MIN_MS", "default"),
+        # whether torch's modules load from cached bytecode, as after a pip or conda install
+        # (an image built with PYTHONDONTWRITEBYTECODE compiles every module at each start:
+        # 10.6 s of a warm run on the H200 machine, benchmarks/RESULTS.md)
+        "torch_bytecode_cached": _bytecode_cached(torch),
     }
     rows = []
     for kind in a.runs:
