@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixprec import compiling, models, optim, run, tuning_ahead
+from mixprec import compiling, models, optim, run, tuning_policy
 from mixprec.config import validate
 from mixprec.data.loaders import prefetch, prefetch_in_thread
 from mixprec.errors import ConfigError
@@ -106,7 +106,7 @@ class Probe(torch.nn.Module):
 
     @torch._dynamo.disable
     def look(self):
-        self.seen.append((self.training, tuning_ahead._untuned[0] > 0))
+        self.seen.append((self.training, tuning_policy.untuned_now()))
 
     def forward(self, x):
         self.look()
@@ -139,7 +139,7 @@ def test_an_evaluating_model_launches_its_kernels_untuned_and_training_tunes(cfg
     model.train()
     model(x)
     assert probe.seen == [(True, False), (False, True), (False, True), (True, False)]
-    assert tuning_ahead._untuned[0] == 0
+    assert tuning_policy._untuned[0] == 0
     off = validate(
         cfg_factory("experiment=fast", "model.compile_options.coordinate_descent_tuning=false")
     )

@@ -14,7 +14,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from mixprec import tuning_ahead, tuning_workers
+from mixprec import tuning_ahead, tuning_policy, tuning_workers
 
 triton = pytest.importorskip("triton")
 cd = pytest.importorskip("torch._inductor.runtime.coordinate_descent_tuner")
@@ -84,13 +84,13 @@ def test_a_tiny_kernel_keeps_its_starting_config_untuned(monkeypatch):
     """A kernel under min_ms() at its starting config: only that config is benchmarked and
     none compiled ahead; the walk ends where it started. MIXPREC_TUNING_MIN_MS moves the line."""
     compiled: list = []
-    scale = tuning_ahead.MIN_MS / 3  # the start costs 2.35 units: under MIN_MS
+    scale = tuning_policy.MIN_MS / 3  # the start costs 2.35 units: under MIN_MS
     best, benchmarked = walk(True, monkeypatch, compiled, Inline(), scale)
     start = tuning_ahead._key(triton.Config({"XBLOCK": 32}, num_warps=1))
     assert best == start and benchmarked == [start] and compiled == []
     best, benchmarked = walk(True, monkeypatch, compiled, Inline(), scale * 10)
     assert best != start and len(benchmarked) > 1  # over the line: tuned
-    monkeypatch.setenv(tuning_ahead.MIN_MS_ENV, "0")  # tune every kernel
+    monkeypatch.setenv(tuning_policy.MIN_MS_ENV, "0")  # tune every kernel
     best, benchmarked = walk(True, monkeypatch, [], Inline(), scale)
     assert best != start and len(benchmarked) > 1
 
@@ -102,7 +102,7 @@ def test_a_kernel_first_launched_while_evaluating_keeps_its_start_and_tunes_late
     kernel = NS(filename=__file__, inductor_meta={"kernel_name": "k"})
     launcher = NS(config=triton.Config({"XBLOCK": 32}, num_warps=1))
     tuning = tuning_ahead._tuning(lambda *args: pytest.fail("the walk ran"))
-    with tuning_ahead.untuned():
+    with tuning_policy.untuned():
         assert tuning(kernel, launcher) is launcher
     assert tuning_ahead.stats["untuned"] == before + 1
     best, benchmarked = walk(True, monkeypatch, [], Inline())
@@ -111,11 +111,11 @@ def test_a_kernel_first_launched_while_evaluating_keeps_its_start_and_tunes_late
 
 
 def test_the_tuning_line_from_the_environment(monkeypatch, caplog):
-    monkeypatch.setenv(tuning_ahead.MIN_MS_ENV, "0.1")
-    assert tuning_ahead.min_ms() == 0.1
+    monkeypatch.setenv(tuning_policy.MIN_MS_ENV, "0.1")
+    assert tuning_policy.min_ms() == 0.1
     for bad in ("-1", "fast"):
-        monkeypatch.setenv(tuning_ahead.MIN_MS_ENV, bad)
-        assert tuning_ahead.min_ms() == tuning_ahead.MIN_MS
+        monkeypatch.setenv(tuning_policy.MIN_MS_ENV, bad)
+        assert tuning_policy.min_ms() == tuning_policy.MIN_MS
         assert f"MIXPREC_TUNING_MIN_MS={bad!r} is not a number >= 0" in caplog.text
 
 
@@ -271,7 +271,7 @@ def test_a_kernel_that_will_not_walk_queues_nothing(monkeypatch, why):
     kwargs = {"tuned": {"tuned": True}, "two configs": {"launchers": 2}}.get(why, {})
     kernel = compiled_kernel("k", start, tuner_on=why != "tuner off", **kwargs)
     if why == "evaluating":
-        with tuning_ahead.untuned():
+        with tuning_policy.untuned():
             tuning_ahead._register(kernel)
     else:
         tuning_ahead._register(kernel)
@@ -300,7 +300,7 @@ def test_the_pool_starts_when_inductor_lowers_a_graph_with_the_tuner_on(monkeypa
 
     compile_once(False, 2.0)
     assert started == []  # tuner off
-    with tuning_ahead.untuned():
+    with tuning_policy.untuned():
         compile_once(True, 4.0)
     assert started == []  # lowered for an evaluation: its kernels will not walk
     compile_once(True, 3.0)

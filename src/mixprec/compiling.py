@@ -11,7 +11,7 @@ import time
 import torch
 from torch import nn
 
-from . import inductor_fix, tuning_ahead
+from . import inductor_fix, tuning_ahead, tuning_policy
 from .errors import ConfigError
 from .models import ModelConfig, unwrap
 
@@ -78,16 +78,16 @@ def compile_model(model: nn.Module, mode: str | None, options: dict) -> nn.Modul
 def untuned_while_evaluating(model: nn.Module) -> None:
     """Kernels first launched while `model` (called eagerly: the compiled wrapper, or the
     model whose blocks are compiled) runs in eval mode skip coordinate-descent tuning
-    (tuning_ahead.begin_untuned): an evaluation's kernels are a small share of a run's time,
+    (tuning_policy.begin_untuned): an evaluation's kernels are a small share of a run's time,
     and tuning them cost ~14 s of experiment=fast's cold start on an H200."""
 
     def before(m: nn.Module, args) -> None:
         if not m.training:
-            tuning_ahead.begin_untuned()
+            tuning_policy.begin_untuned()
 
     def after(m: nn.Module, args, out) -> None:
         if not m.training:
-            tuning_ahead.end_untuned()
+            tuning_policy.end_untuned()
 
     model.register_forward_pre_hook(before)
     model.register_forward_hook(after, always_call=True)

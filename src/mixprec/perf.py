@@ -197,7 +197,7 @@ def train_flops(
         counts = _flop_counts(
             plain, torch.device("meta"), autocast, batch, task, input_shape, num_classes
         )
-    except (NotImplementedError, RuntimeError, TypeError) as err:  # an op or subclass without meta
+    except (NotImplementedError, RuntimeError, TypeError, ValueError, AssertionError) as err:
         log.debug("FLOP count on the meta device failed (%s); counting on %s", err, device)
         counts = _flop_counts(plain, device, autocast, batch, task, input_shape, num_classes)
     prefix = len(type(plain).__name__) + 1  # counter keys: Class.name

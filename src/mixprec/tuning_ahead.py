@@ -11,10 +11,9 @@ and theirs are compiled in worker processes (tuning_workers.py; Triton writes ea
 cache); when the walk reaches one, Triton's compile there is a cache hit. Workers left idle
 compile the first round (the neighbours of the starting config) of every kernel inductor has
 compiled and not yet tuned, in the order it compiled them, so a kernel's walk starts with
-its first round ready. The walk and its benchmarks are inductor's own; one choice differs: a
-kernel whose starting config runs in under min_ms() keeps it (MIXPREC_TUNING_MIN_MS, 0.05 ms
-by default: in three traces of experiment=fast on an H200 tuning the kernels under 0.05 ms
-bought 0.20-0.35 ms of a ~64 ms step, for 15-19 s of a cold start).
+its first round ready. The walk and its benchmarks are inductor's own; which kernels walk at
+all is tuning_policy.py's: not those faster than MIXPREC_TUNING_MIN_MS at their starting
+config, nor those first launched while a compiled model evaluates.
 
 The pool starts when inductor first lowers a graph with the tuner on (a cache miss, so there
 will be kernels to tune: a warm start lowers nothing and starts none), or at the first
@@ -24,14 +23,12 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import threading
-from contextlib import contextmanager
 
 from . import tuning_workers
+from .tuning_policy import min_ms, untuned_now
 
 log = logging.getLogger("mixprec.models")
-MIN_MS_ENV, MIN_MS = "MIXPREC_TUNING_MIN_MS", 0.05  # faster at its starting config: untuned
 _current: list = [None]  # the _Ahead of the kernel being tuned (kernels tune one at a time)
 _lock = threading.RLock()  # the queues and the count in flight (callbacks come from the pool)
 _inflight = [0]
@@ -40,43 +37,6 @@ _waiting: dict[tuple[str, str], _Ahead] = {}
 # tuned walks, tiny ones left untuned, configs sent ahead (of them, first rounds sent before
 # their walk began), found compiled when the walk came
 stats = {"kernels": 0, "tiny": 0, "sent": 0, "early": 0, "ready": 0, "untuned": 0}
-_untuned = [0]  # > 0: inside untuned() (a model evaluating), no kernel walks
-
-
-def begin_untuned() -> None:
-    """From now until end_untuned(), a kernel launched for the first time keeps inductor's
-    starting config; its walk is skipped, and a later launch outside tunes it. compiling.py
-    calls these around the forward of a compiled model in eval mode: on an H200 the first
-    evaluation of experiment=fast spent ~14 s of a cold start tuning kernels that run for
-    well under a second per evaluation (benchmarks/RESULTS.md)."""
-    _untuned[0] += 1
-
-
-def end_untuned() -> None:
-    _untuned[0] = max(0, _untuned[0] - 1)
-
-
-@contextmanager
-def untuned():
-    """begin_untuned() ... end_untuned() as a with-block."""
-    begin_untuned()
-    try:
-        yield
-    finally:
-        end_untuned()
-
-
-def min_ms() -> float:
-    """A kernel faster than this (ms) at its starting config keeps it, untuned."""
-    raw = os.environ.get(MIN_MS_ENV, "").strip()
-    try:
-        value = float(raw) if raw else MIN_MS
-        if value >= 0:
-            return value
-    except ValueError:
-        pass
-    log.warning("%s=%r is not a number >= 0: %g ms", MIN_MS_ENV, raw, MIN_MS)
-    return MIN_MS
 
 
 def apply() -> bool:
@@ -113,7 +73,7 @@ def _lowering(original, config):
     not lowered for an evaluation, whose kernels will not walk)."""
 
     def __init__(self, *args, **kwargs):
-        if config.coordinate_descent_tuning and not _untuned[0]:
+        if config.coordinate_descent_tuning and not untuned_now():
             tuning_workers.start(then=_pump)
         original(self, *args, **kwargs)
 
@@ -137,7 +97,7 @@ def _precompile(original):
 
 
 def _register(kernel) -> None:
-    if _untuned[0]:  # compiled (or loaded) for an evaluation: it will not walk
+    if untuned_now():  # compiled (or loaded) for an evaluation: it will not walk
         return
     launchers = getattr(kernel, "launchers", None) or []
     meta, tuner = kernel.inductor_meta or {}, getattr(kernel, "coordesc_tuner", None)
@@ -166,7 +126,7 @@ def _tuning(original):
     """CachingAutotuner.coordinate_descent_tuning with this kernel's compiling done ahead."""
 
     def coordinate_descent_tuning(self, launcher, *args, **kwargs):
-        if _untuned[0]:  # evaluating: this launch keeps the starting config; a later one tunes
+        if untuned_now():  # evaluating: this launch keeps the starting config; a later one tunes
             stats["untuned"] += 1
             return launcher
         tuning_workers.start(then=_pump)
