@@ -22,6 +22,7 @@ tuning."""
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import threading
 
@@ -68,6 +69,14 @@ def apply() -> bool:
     return tuning_workers.workers() > 0  # with none, each walk compiles in line
 
 
+def _marked(original, wrapper):
+    """`wrapper` as mixprec's wrapper of `original` (its name, and __wrapped__: tests reach
+    inductor's own method beneath whatever apply() installed in their process)."""
+    wrapper = functools.wraps(original)(wrapper)
+    wrapper._mixprec_ahead = True
+    return wrapper
+
+
 def _lowering(original, config):
     """GraphLowering.__init__, which starts the pool when the tuner is on (and the graph is
     not lowered for an evaluation, whose kernels will not walk)."""
@@ -77,7 +86,7 @@ def _lowering(original, config):
             tuning_workers.start(then=_pump)
         original(self, *args, **kwargs)
 
-    return __init__
+    return _marked(original, __init__)
 
 
 def _precompile(original):
@@ -93,7 +102,7 @@ def _precompile(original):
                 log.debug("kernel tuning: %s not queued ahead (%r)", self, e)
         return out
 
-    return precompile
+    return _marked(original, precompile)
 
 
 def _register(kernel) -> None:
@@ -145,8 +154,7 @@ def _tuning(original):
             ahead.close()
             _current[0] = None
 
-    coordinate_descent_tuning._mixprec_ahead = True
-    return coordinate_descent_tuning
+    return _marked(original, coordinate_descent_tuning)
 
 
 def _call_func(original):
@@ -164,7 +172,7 @@ def _call_func(original):
         ahead.seen(tuner, config, timing)
         return timing
 
-    return call_func
+    return _marked(original, call_func)
 
 
 def _pump() -> None:
