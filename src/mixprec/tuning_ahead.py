@@ -41,7 +41,7 @@ stats = {"kernels": 0, "tiny": 0, "sent": 0, "early": 0, "ready": 0, "untuned": 
 
 
 def apply() -> bool:
-    """Wrap inductor's coordinate-descent tuner (once): walks skipped inside untuned(), and
+    """Wrap inductor's coordinate-descent tuner (once): walks skipped as tuning_policy says, and
     candidates compiled ahead. False where this torch lacks the methods it wraps (nothing
     wrapped) or workers() is 0 (the walks compile in line)."""
     try:
