@@ -414,6 +414,26 @@ def test_flop_count_runs_no_kernel_yet_counts_what_a_real_step_counts():
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def test_a_model_that_cannot_run_on_meta_is_counted_on_its_device():
+    """A forward that reads a value (`.item()`: no meta tensor has one) fails on the meta
+    device; the count falls back to a step on the model's device and is still exact."""
+
+    class Reads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(12, 10)
+
+        def forward(self, x):
+            return self.lin(x.flatten(1)) * (1.0 + 0.0 * x.sum().item())
+
+    from mixprec import perf
+
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        Reads().to("meta")(torch.zeros(2, 3, 2, 2, device="meta"))
+    linear = 2 * 12 * 10  # the input needs no gradient: forward + weight gradient
+    assert perf.train_flops(Reads(), (3, 2, 2), 10, CPU, fp32().autocast)[0] == 2 * linear
+
+
 def test_mfu_flop_count_matches_a_hand_count():
     from mixprec import perf
 
