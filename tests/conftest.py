@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
+import shlex
+import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -19,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if os.environ.get("PYTEST_XDIST_WORKER"):  # make test runs -n 2 on 2 cores: two workers that
     torch.set_num_threads(1)  # each spin 2 threads on them run several times slower
 CONF = ROOT / "conf"
+# finish() ends a hung run with SIGABRT (for its stacks): no core files from it
+resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
 register_configs()
 # Hydra stays initialised for the whole session, as inside train.py: hardware profiles load
 # through it (config.hardware_profiles)
@@ -75,14 +82,84 @@ def run_train(
 ) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env_extra or {})})
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args],
+    return run_session([sys.executable, str(ROOT / "train.py"), *args], cwd, env, timeout)
+
+
+FAMILY = "MIXPREC_TEST_RUN"  # start_session's mark: every process a test run started has it
+
+
+def start_session(cmd: list[str], cwd: Path, env: dict, merge: bool = False) -> subprocess.Popen:
+    """`cmd` as the leader of a session of its own (as a terminal or `timeout` starts it): the
+    group can be signalled without signalling pytest, and finish() can find every process it
+    started. Python's faulthandler is on in all of them, so that a hang can show its stacks.
+    `merge`: stderr into stdout, in the order written."""
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        cmd,
         cwd=cwd,
-        env=env,
-        capture_output=True,
+        env={**env, "PYTHONFAULTHANDLER": "1", FAMILY: mark},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge else subprocess.PIPE,
         text=True,
-        timeout=timeout,
+        start_new_session=True,
     )
+    proc.family_mark = mark
+    return proc
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str | None]:
+    """(stdout, stderr) of a process from start_session once it has exited and every process
+    it started has let go of its output. One that hangs fails the test with what hung: its
+    processes are listed, each Python one prints its threads' stacks (faulthandler, on
+    SIGABRT), then all are killed (subprocess.run would kill the child alone and then wait
+    forever on a grandchild that holds the pipe)."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    family = ",".join(map(str, _family(proc))) or str(proc.pid)
+    ps = ["ps", "-o", "pid=,ppid=,stat=,etime=,args=", "-p", family]
+    tree = subprocess.run(ps, capture_output=True, text=True).stdout
+    out = err = None
+    for sig in (signal.SIGABRT, signal.SIGKILL):
+        for pid in _family(proc):
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        try:
+            out, err = proc.communicate(timeout=20)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+    pytest.fail(
+        f"{shlex.join(map(str, proc.args))}\ndid not finish within {timeout} s. Its processes "
+        f"(pid, parent, state, age, command):\n{tree}\nThe end of its output, with the stacks of "
+        f"its Python processes:\n{(out or '')[-15000:]}\n{(err or '')[-15000:]}",
+        pytrace=False,
+    )
+
+
+def _family(proc: subprocess.Popen) -> list[int]:
+    """Every process still alive that `proc` started, however far down and wherever it went
+    (torchrun starts each rank in a session of its own; a worker whose trainer has exited is
+    re-parented): they all carry start_session's mark in their environment."""
+    mark = f"{FAMILY}={proc.family_mark}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if mark in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return sorted(found)
+
+
+def run_session(
+    cmd: list[str], cwd: Path, env: dict, timeout: float
+) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True), through start_session/finish."""
+    proc = start_session(cmd, cwd, env)
+    out, err = finish(proc, timeout)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -105,9 +182,7 @@ def run_torchrun(
     """`torchrun --standalone --nproc_per_node=2 ARGS` (a script and its arguments), one CPU
     thread per process, W&B offline."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env_extra or {})}
-    return subprocess.run(
-        [*TORCHRUN, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return run_session([*TORCHRUN, *args], ROOT, env, timeout)
 
 
 def train_losses(run_dir: Path) -> list[float]:

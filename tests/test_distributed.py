@@ -18,7 +18,16 @@ from torch import nn
 from mixprec import distributed, loop, optim, precision
 
 import wandb_log
-from conftest import LM_CPU, ROOT, group, run_torchrun, run_train, train_losses
+from conftest import (
+    LM_CPU,
+    ROOT,
+    finish,
+    group,
+    run_torchrun,
+    run_train,
+    start_session,
+    train_losses,
+)
 
 COMMON = [
     "model=digits_mlp",
@@ -46,7 +55,7 @@ def one_process(tmp_path_factory) -> Path:
 def torchrun(launcher: list[str], run_dir: Path) -> subprocess.Popen:
     """One torchrun agent training batch 16 x accum 2 per process into run_dir."""
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
+    return start_session(
         [
             sys.executable,
             "-m",
@@ -58,16 +67,14 @@ def torchrun(launcher: list[str], run_dir: Path) -> subprocess.Popen:
             "accum=2",
             f"hydra.run.dir={run_dir}",
         ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        ROOT,
+        env,
+        merge=True,
     )
 
 
 def finished(proc: subprocess.Popen) -> str:
-    out = proc.communicate(timeout=600)[0]
+    out = finish(proc, 600)[0]
     assert proc.returncode == 0, out[-4000:]
     return out
 

@@ -19,7 +19,7 @@ from mixprec import report, run, rundir
 from mixprec.errors import CheckpointError, ConfigError, Diverged, RunDirBusy
 from mixprec.sinks import local
 
-from conftest import ROOT, run_train
+from conftest import ROOT, finish, run_train, start_session
 
 
 def summary(run_dir: Path) -> dict:
@@ -58,18 +58,8 @@ def test_two_runs_started_together_in_one_run_dir(tmp_path):
         "trainer.max_steps=60",
         f"hydra.run.dir={tmp_path}",
     ]
-    procs = [
-        subprocess.Popen(
-            [*args, f"seed={s}"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for s in (0, 1)
-    ]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+    procs = [start_session([*args, f"seed={s}"], ROOT, env, merge=True) for s in (0, 1)]
+    outs = [finish(p, 300)[0] for p in procs]
     codes = sorted(p.returncode for p in procs)
     assert codes == [0, 6], outs
     assert "run dir in use" in "".join(outs)
@@ -242,7 +232,7 @@ def stuck_run(tmp_path: Path, grace: int) -> subprocess.Popen:
                 Image.new("RGB", (40, 40), (i * 40, 0, 0)).save(root / split / c / f"{i}.jpg")
     os.mkfifo(root / "train" / "a" / "stuck.jpg")  # opening it blocks until a writer comes
     env = {**os.environ, "WANDB_MODE": "offline"}
-    proc = subprocess.Popen(
+    proc = start_session(
         [
             sys.executable,
             str(ROOT / "train.py"),
@@ -257,11 +247,9 @@ def stuck_run(tmp_path: Path, grace: int) -> subprocess.Popen:
             f"trainer.stop_grace_s={grace}",
             f"hydra.run.dir={tmp_path / 'run'}",
         ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        ROOT,
+        env,
+        merge=True,
     )
     deadline = time.time() + 120
     while not (tmp_path / "run" / "metrics.jsonl").exists() and time.time() < deadline:
@@ -271,12 +259,9 @@ def stuck_run(tmp_path: Path, grace: int) -> subprocess.Popen:
 
 
 def communicate(proc: subprocess.Popen, timeout: float) -> str:
-    """The output of a process that must end by itself within `timeout` (killed if not)."""
-    try:
-        return proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError("it did not exit: " + proc.communicate()[0][-3000:]) from None
+    """The output of a process that must end by itself within `timeout` (the test fails with
+    its stacks if not)."""
+    return finish(proc, timeout)[0]
 
 
 @pytest.mark.slow
@@ -293,6 +278,22 @@ def test_a_stop_signal_during_a_step_that_never_ends_exits_within_the_grace(tmp_
     assert "no step boundary within 3 s" in out
     s = summary(tmp_path / "run")
     assert s["status"] == "preempted" and s["checkpoint"] is None
+
+
+@pytest.mark.slow
+def test_a_stop_signal_ends_the_run_when_no_one_reads_its_output(tmp_path):
+    """The terminal closed, or the reader of a pipe (`| tee`) killed first: the line the run
+    writes as it gives up waiting fails (EPIPE), and the run must still exit, not live on with
+    its watcher thread dead."""
+    proc = stuck_run(tmp_path, grace=3)
+    proc.stdout.close()  # no one reads the run's output any more
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert summary(tmp_path / "run")["status"] == "preempted"
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from test_data import make_folder
 from test_reliability import assert_identical, weights
 from torch.utils.data import Dataset
 
-from conftest import ROOT, TORCHRUN, run_train
+from conftest import ROOT, TORCHRUN, finish, run_train, start_session
 
 
 class Noisy(Dataset):
@@ -90,15 +90,7 @@ def start(
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    return subprocess.Popen(
-        [*prefix, *python, str(ROOT / "train.py"), *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    return start_session([*prefix, *python, str(ROOT / "train.py"), *args], ROOT, env, merge=True)
 
 
 def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int) -> None:
@@ -113,7 +105,7 @@ def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int) -> None:
 
 
 def stopped_at_a_checkpoint(run_dir: Path, proc, sig: int) -> None:
-    out = proc.communicate(timeout=120)[0]
+    out = finish(proc, 120)[0]
     assert proc.returncode == 128 + sig, out[-3000:]
     assert "a second signal" not in out and "Traceback" not in out
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -167,19 +159,20 @@ def test_gnu_timeout_foreground_signals_the_trainer_alone(tmp_path, images):
 
 @pytest.mark.slow
 def test_torchrun_with_workers_signalled_as_a_group_stops_every_rank_once(tmp_path, images):
-    """SIGTERM to torchrun's process group (a terminal, `timeout`, a scheduler): the agent, both
-    ranks and their loader workers get it, and the agent sends each rank SIGTERM once more. The
-    ranks agree on one stop step, rank 0 checkpoints it, and the printed torchrun command
-    resumes to the weights of an uninterrupted torchrun run, bit for bit. (torchrun itself then
-    exits 1 with its SignalException: torch's agent, not the run, sets that code.)"""
+    """SIGTERM to torchrun's process group (a terminal, `timeout`, a scheduler): the agent gets
+    it and sends it on to each rank's own process group (torchrun starts every rank in a
+    session of its own), so the ranks and their loader workers get it once. The ranks agree on
+    one stop step, rank 0 checkpoints it, and the printed torchrun command resumes to the
+    weights of an uninterrupted torchrun run, bit for bit. (torchrun itself then exits 1 with
+    its SignalException: torch's agent, not the run, sets that code.)"""
     run_dir, ref = tmp_path / "run", tmp_path / "ref"
     done = start([*base(images), f"hydra.run.dir={ref}"], python=TORCHRUN, threads=1)
-    out = done.communicate(timeout=300)[0]
+    out = finish(done, 300)[0]
     assert done.returncode == 0, out[-3000:]
     proc = start([*base(images), f"hydra.run.dir={run_dir}"], python=TORCHRUN, threads=1)
     wait_for_step(run_dir, proc, 10)
     os.killpg(proc.pid, signal.SIGTERM)
-    out = proc.communicate(timeout=120)[0]
+    out = finish(proc, 120)[0]
     assert out.count("preempted in") == 1 and "a second signal" not in out, out[-3000:]
     assert "continue with: torchrun --nproc_per_node=2 train.py" in out
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -189,7 +182,7 @@ def test_torchrun_with_workers_signalled_as_a_group_stops_every_rank_once(tmp_pa
     again = start(
         [*base(images), "resume=auto", f"hydra.run.dir={run_dir}"], python=TORCHRUN, threads=1
     )
-    out = again.communicate(timeout=300)[0]
+    out = finish(again, 300)[0]
     assert again.returncode == 0, out[-3000:]
     assert_identical(weights(run_dir), weights(ref))
 
@@ -203,7 +196,7 @@ def test_a_signal_to_one_worker_alone_does_not_stop_the_run(tmp_path, images):
     pids = [int(p) for p in workers.stdout.split()]
     assert pids, "no worker process found"
     os.kill(pids[0], signal.SIGUSR1)
-    out = proc.communicate(timeout=180)[0]
+    out = finish(proc, 180)[0]
     assert proc.returncode == 0, out[-3000:]
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
 
@@ -213,7 +206,7 @@ def test_sixteen_workers_and_ctrl_c(tmp_path, images):
     proc = start([*base(images, workers=16), f"hydra.run.dir={tmp_path}"])
     wait_for_step(tmp_path, proc, 10)
     os.killpg(proc.pid, signal.SIGINT)
-    out = proc.communicate(timeout=120)[0]
+    out = finish(proc, 120)[0]
     assert proc.returncode == 130, out[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "preempted" and summary["checkpoint"]
@@ -230,3 +223,34 @@ def test_the_same_signal_twice_at_once_is_one_stop(tmp_path, images):
     time.sleep(0.05)  # two deliveries, not one coalesced pending signal
     os.killpg(proc.pid, signal.SIGINT)
     stopped_at_a_checkpoint(tmp_path, proc, signal.SIGINT)
+
+
+def test_a_run_that_hangs_fails_with_its_stacks_and_leaves_no_process(tmp_path):
+    """The harness every test here waits through: a process that exits while its child still
+    holds the output (a rank of torchrun, in a session of its own, stuck after its agent)
+    fails the test within the time given, shows where each Python process stood, and is killed
+    with its child."""
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "def the_child_waits_here():\n"
+        "    while True: time.sleep(1)\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"  # as torchrun starts each rank: in a session of its own
+        "    print(os.getpid(), flush=True)\n"
+        "    the_child_waits_here()\n"
+        "time.sleep(0.5)\n"
+    )
+    proc = start_session([sys.executable, str(script)], tmp_path, dict(os.environ), merge=True)
+    t0 = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as failed:
+        finish(proc, 3)
+    assert time.monotonic() - t0 < 30
+    message = str(failed.value)
+    assert "did not finish within 3 s" in message and "the_child_waits_here" in message
+    child = int(message.split("stacks of its Python processes:\n")[1].split()[0])
+    time.sleep(0.2)
+    assert (
+        not Path(f"/proc/{child}").exists()
+        or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+    )

@@ -157,10 +157,13 @@ class StopSignals:
             self._force(signum, why)
 
     def _force(self, signum: int, why: str) -> None:
-        sys.stderr.write(
-            f"\nmixprec: {signal.Signals(signum).name}: {why}; exiting now without "
-            f"a checkpoint (exit {128 + signum})\n"
-        )
+        try:
+            sys.stderr.write(
+                f"\nmixprec: {signal.Signals(signum).name}: {why}; exiting now without "
+                f"a checkpoint (exit {128 + signum})\n"
+            )
+        except (OSError, ValueError):  # no one reads stderr any more (a closed terminal, a
+            pass  # killed `| tee`): the run must end all the same
         try:
             self.on_forced(signum)
         finally:
