@@ -51,6 +51,44 @@ def test_augmentation_depends_on_the_sample_not_on_the_worker_or_a_resume(worker
     assert torch.equal(torch.get_rng_state(), before)  # the run's own RNG did not move
 
 
+class WhoServes(Noisy):
+    """Noisy's sample, and the parent of the process that served it."""
+
+    def __getitem__(self, i: int):
+        return super().__getitem__(i)[0], torch.tensor([i, os.getppid()])
+
+
+def test_workers_beside_a_process_group_on_an_old_python_start_from_a_forkserver(monkeypatch):
+    """CPython before 3.11.10 can hang a child forked while another thread creates a Python
+    thread state (gh-112275), which torch.distributed's threads do after every collective.
+    In a process group on such a Python, workers start from a forkserver (not forked from the
+    trainer), and serve exactly the samples forked workers serve; elsewhere they are forked."""
+    import torch.distributed as dist
+
+    from mixprec.data import Context, Workers
+    from mixprec.data import workers as start
+    from mixprec.data.loaders import EpochLoader
+
+    def served(python: tuple) -> tuple[list, set]:
+        monkeypatch.setattr(start, "PYTHON", python)
+        ctx = Context(8, torch.device("cpu"), seed=5, workers=Workers(num_workers=2))
+        loader = EpochLoader(WhoServes(), ctx)
+        loader.set_epoch(1)
+        rows = [(x.tolist(), y.tolist()) for x, y in loader]
+        loader.close()
+        return [(x, [i for i, _ in y]) for x, y in rows], {p for _, y in rows for _, p in y}
+
+    forked, parents = served((3, 11, 7))
+    assert parents == {os.getpid()}  # no process group: forked from this process
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert served((3, 12, 1)) == (forked, parents)  # a fixed Python: forked as before
+        samples, parents = served((3, 11, 7))
+        assert samples == forked and os.getpid() not in parents and len(parents) == 1
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> Path:
     return make_folder(tmp_path_factory.mktemp("images"), n=24)

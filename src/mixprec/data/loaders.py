@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .base import Context
-from .workers import Seeded, quiet_worker, signals_held, stop_workers
+from .workers import Seeded, quiet_worker, signals_held, start_method, stop_workers
 
 
 def to_device(batch, device: torch.device, fmt: torch.memory_format):
@@ -158,6 +158,7 @@ class EpochLoader:
             pin_memory=ctx.workers.pin_memory and ctx.device.type == "cuda",
             prefetch_factor=4 if workers else None,
             worker_init_fn=quiet_worker if workers else None,
+            multiprocessing_context=start_method() if workers else None,
         )
         self._iterator: Iterator | None = None  # the DataLoader iterator whose workers run now
         self._stream: Iterator | None = None  # persistent: batches of this and later epochs

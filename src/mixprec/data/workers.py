@@ -8,6 +8,15 @@ dies on the group's SIGTERM and takes the run down before it can checkpoint. So 
 the stop signals (the trainer stops them in order), and the signals are held while workers are
 forked, so none lands in the window before a worker has set that up.
 
+How they start: forked, as torch does by default, except in a process group on a Python older
+than 3.11.10. There a child forked while another thread is creating its Python thread state
+waits forever on a lock the parent held at the fork (CPython gh-112275; fixed in 3.11.10 and
+3.12). torch.distributed's threads do exactly that after each collective: gloo's worker thread
+frees the finished work's tensors, which takes the GIL (seen with gdb; NCCL's threads may too).
+A worker forked at that moment never starts, and every rank waits for it: one CI run, and 1 of
+5 CPU torchrun runs of 300 steps on a loaded 2-core machine. Those workers start from a
+forkserver instead, a process without those threads (start_method).
+
 Augmentation draws from each sample's own seed, (seed, epoch, index): the same whichever worker
 serves the sample and however far that worker's RNG has run, so a run resumed part-way through
 an epoch, with any number of workers, sees exactly the crops it would have seen.
@@ -16,16 +25,49 @@ an epoch, with any number of workers, sees exactly the crops it would have seen.
 from __future__ import annotations
 
 import atexit
+import logging
 import multiprocessing
 import os
 import random
 import signal
+import sys
 from contextlib import contextmanager
 
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+FORK_SAFE_PYTHON = (3, 11, 10)  # CPython gh-112275 fixed (see the module's docstring)
+PYTHON = tuple(sys.version_info[:3])
+log = logging.getLogger(__name__)
+_said: list[bool] = []
+
+
+def start_method():
+    """DataLoader's multiprocessing_context for workers started now: None (torch's fork), or
+    a forkserver in a process group on a Python that can hang a forked worker."""
+    import torch.distributed as dist
+
+    grouped = dist.is_available() and dist.is_initialized()
+    if not grouped or PYTHON >= FORK_SAFE_PYTHON or sys.platform != "linux":
+        return None
+    if not _said:
+        _said.append(True)
+        log.info(
+            "DataLoader workers start from a forkserver, not by fork: Python %s can hang a "
+            "worker forked beside torch.distributed's threads (CPython gh-112275, fixed in "
+            "3.11.10)",
+            ".".join(map(str, PYTHON)),
+        )
+    # the server imports what train.py imports once; each worker then starts in milliseconds,
+    # as a forked one does (a worker that imports them itself: a 4 s CPU run took 110 s). The
+    # server is the one tuning_workers' pool uses too: its preloads are kept.
+    from multiprocessing import forkserver
+
+    kept = getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", ["__main__"])
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(dict.fromkeys(["mixprec.run", *kept])))
+    return context
 
 
 def stop_workers(iterator) -> None:
@@ -61,7 +103,9 @@ def quiet_worker(worker_id: int) -> None:
 @contextmanager
 def signals_held():
     """Hold the stop signals while workers are forked (they inherit the mask and ignore the
-    signals before they let them in); the trainer then gets any that arrived meanwhile."""
+    signals before they let them in); the trainer then gets any that arrived meanwhile. A
+    forkserver started here inherits the mask too (it survives execve): the group's signals
+    stay pending in it, and its workers start as forked ones do."""
     before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
