@@ -137,7 +137,7 @@ def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int) -> None:
         if list((run_dir / "checkpoints").glob(f"step_{step:08d}.pt")):
             return
         if proc.poll() is not None:
-            raise AssertionError(proc.stdout.read()[-3000:])
+            raise AssertionError(finish(proc, 60)[0][-3000:])  # a worker may hold the pipe
         time.sleep(0.05)
     raise AssertionError("the run never reached that step")
 
