@@ -117,12 +117,18 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str | None]:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         pass
-    family = ",".join(map(str, _family(proc))) or str(proc.pid)
-    ps = ["ps", "-o", "pid=,ppid=,stat=,etime=,args=", "-p", family]
+    family = _family(proc)
+    ps = [
+        "ps",
+        "-o",
+        "pid=,ppid=,stat=,etime=,args=",
+        "-p",
+        ",".join(map(str, family or [proc.pid])),
+    ]
     tree = subprocess.run(ps, capture_output=True, text=True).stdout
     out = err = None
     for sig in (signal.SIGABRT, signal.SIGKILL):
-        for pid in _family(proc):
+        for pid in family:
             with contextlib.suppress(OSError):
                 os.kill(pid, sig)
         try:

@@ -258,12 +258,6 @@ def stuck_run(tmp_path: Path, grace: int) -> subprocess.Popen:
     return proc
 
 
-def communicate(proc: subprocess.Popen, timeout: float) -> str:
-    """The output of a process that must end by itself within `timeout` (the test fails with
-    its stacks if not)."""
-    return finish(proc, timeout)[0]
-
-
 @pytest.mark.slow
 def test_a_stop_signal_during_a_step_that_never_ends_exits_within_the_grace(tmp_path):
     """SIGTERM while the loop is stuck in one blocking call cannot wait for a step boundary:
@@ -272,7 +266,7 @@ def test_a_stop_signal_during_a_step_that_never_ends_exits_within_the_grace(tmp_
     proc = stuck_run(tmp_path, grace=3)
     t0 = time.time()
     proc.send_signal(signal.SIGTERM)
-    out = communicate(proc, timeout=60)
+    out = finish(proc, 60)[0]
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert time.time() - t0 < 15
     assert "no step boundary within 3 s" in out
@@ -303,7 +297,7 @@ def test_a_second_ctrl_c_exits_at_once(tmp_path):
     time.sleep(1)
     t0 = time.time()
     proc.send_signal(signal.SIGINT)
-    out = communicate(proc, timeout=30)
+    out = finish(proc, 30)[0]
     assert proc.returncode == 130 and time.time() - t0 < 10, out[-3000:]
     assert "a second signal" in out and summary(tmp_path / "run")["status"] == "preempted"
 
