@@ -237,7 +237,7 @@ def bare_lm(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> di
         )
     model = prec.convert(model)
     if row["compile"]:
-        compiling.compile_blocks(model, c.model.name, None, {})
+        compiling.compile_blocks(model, c.model.label, None, {})
     opt = torch.optim.AdamW(
         model.parameters(), lr=3e-4, **({"fused": True} if device.type == "cuda" else {})
     )

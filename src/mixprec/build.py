@@ -171,7 +171,7 @@ def assemble(
     inspect(model)
     sharding.check(c.parallel, prec, c.model, c.optimizer)
     if prec.sharded:  # sharding replaces the parameters
-        model = sharding.shard(model, c.parallel, prec, compiling.repeated_blocks(model), dd.mesh)
+        model = sharding.shard(model, c.parallel, prec, models.blocks_of(model), dd.mesh)
     else:
         model = distributed.wrap(model, dd, device)
     if c.model.cuda_graphs:  # a fixed batch shape: the one every training step has
@@ -261,7 +261,7 @@ def announce(p: Parts) -> None:
     log.info(
         "model=%s data=%s batch=%d accum=%d world=%d -> effective batch %d; lr %.4g (%s "
         "scaling from %.4g at %d); %d optimizer steps",
-        c.model.name,
+        c.model.label,
         c.data.name,
         p.layout.batch,
         p.layout.accum,

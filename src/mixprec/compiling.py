@@ -13,7 +13,8 @@ from torch import nn
 
 from . import inductor_fix, tuning_ahead, tuning_policy
 from .errors import ConfigError
-from .models import ModelConfig, unwrap
+from .models import ModelConfig, blocks_of, unwrap
+from .models.parts import repeated_blocks  # noqa: F401  (tests and benchmarks use it here)
 
 log = logging.getLogger("mixprec.models")
 # compile_scope=blocks: one graph per distinct block shape (ResNet-50: 8)
@@ -34,7 +35,7 @@ def compiled(model: nn.Module, mcfg: ModelConfig) -> nn.Module:
     t0 = time.perf_counter()
     if mcfg.compile_scope == "blocks":
         blocks = compile_blocks(
-            unwrap(model), mcfg.name, mcfg.compile_mode, dict(mcfg.compile_options)
+            unwrap(model), mcfg.label, mcfg.compile_mode, dict(mcfg.compile_options)
         )
         what = f"{len(blocks)} repeated blocks ({type(blocks[0]).__name__}) one by one"
     else:
@@ -93,33 +94,18 @@ def untuned_while_evaluating(model: nn.Module) -> None:
     model.register_forward_hook(after, always_call=True)
 
 
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The innermost runs of repeated blocks: the children of every Sequential or ModuleList
-    that holds two or more modules of one class with modules of their own, and no such run
-    inside them (timm: ViT's `blocks`, ConvNeXt's stage blocks, ResNet's Bottlenecks)."""
-
-    def run_of(m: nn.Module) -> list[nn.Module]:
-        kids = list(m.children()) if isinstance(m, (nn.Sequential, nn.ModuleList)) else []
-        same = len(kids) >= 2 and len({type(k) for k in kids}) == 1
-        return kids if same and any(True for _ in kids[0].children()) else []
-
-    runs = [run_of(m) for m in model.modules()]
-    inner = [r for r in runs if r and not any(run_of(m) for k in r for m in k.modules())]
-    return [block for r in inner for block in r]
-
-
 def compile_blocks(model: nn.Module, name: str, mode: str | None, options: dict) -> list[nn.Module]:
     """model.compile_scope=blocks (regional compilation): each repeated block is compiled in
     place (nn.Module.compile: the state_dict keeps its names) with static shapes; identical
     blocks share one compiled graph, so a 24-block ViT compiles one block instead of 24. The
     rest of the model (stem, head) runs eagerly. Each distinct block shape is one recompile:
     process.apply raises dynamo's limit to BLOCK_RECOMPILE_LIMIT for this scope."""
-    blocks = repeated_blocks(model)
+    blocks = blocks_of(model)
     if not blocks:
         raise ConfigError(
-            f"model.compile_scope=blocks: model.name={name!r} has no repeated "
-            "blocks (a Sequential or ModuleList of one block class); use "
-            "model.compile_scope=model"
+            f"model.compile_scope=blocks: {name} has no repeated blocks (a Sequential "
+            "or ModuleList of one block class, or what the model declares in mixprec_blocks "
+            "or model.blocks=GLOB); use model.compile_scope=model"
         )
     kwargs = compile_kwargs(mode, options)
     for block in blocks:

@@ -50,6 +50,7 @@ class TrainerConfig:
     min_steps: int = MISSING  # epochs are added until the run has at least this many steps
     max_steps: Optional[int] = MISSING  # run exactly this many optimizer steps; null = by epochs
     log_every: int = MISSING  # optimizer steps between log events (each reads the loss scale)
+    val_every: Optional[int] = MISSING  # optimizer steps between evaluations; null: epoch ends
     clip_grad_norm: Optional[float] = MISSING  # max global norm of the true (unscaled) grads
     perf_warmup_steps: int = MISSING  # steps excluded from the summary's samples_per_s
     settle_late: bool = MISSING  # settle each step one step late (no host sync per fp16 step)
@@ -65,6 +66,12 @@ class TrainerConfig:
             "null or an int >= 1",
         )
         check(self.log_every >= 1, "trainer.log_every", self.log_every, "an int >= 1")
+        check(
+            self.val_every is None or self.val_every >= 1,
+            "trainer.val_every",
+            self.val_every,
+            "null (at epoch ends only) or an int >= 1",
+        )
         check(
             self.clip_grad_norm is None or self.clip_grad_norm > 0,
             "trainer.clip_grad_norm",

@@ -24,6 +24,11 @@ def what_ran(p) -> dict:
         for k, v in dataclasses.asdict(c.model).items()
         if v not in ({}, None) and not (k.startswith("compile_") and not c.model.compile)
     }
+    if c.model.source != "hf":
+        model.pop("hf", None)
+    if c.model.source != "timm":  # the group file's timm name did not build this model
+        model.pop("name", None)
+    model["source"] = c.model.source
     out = {
         **p.learner.precision.columns(),
         "batch": lay.batch,

@@ -45,13 +45,24 @@ def main(argv: list[str] | None = None) -> None:
     except MixprecError as e:  # no checkpoint there, or not a mixprec checkpoint
         print(f"{e.label}: {e}", file=sys.stderr)
         raise SystemExit(e.exit_code) from None
-    kwargs = ", ".join(f"{k}={v!r}" for k, v in (model.get("kwargs") or {}).items())
     print(f"wrote {out}")
-    print(
-        f"load it: model = timm.create_model({model.get('name')!r}, num_classes=..."
-        f"{', ' + kwargs if kwargs else ''}); "
-        f"model.load_state_dict(torch.load({str(out)!r}, weights_only=True))"
-    )
+    print(f"load it: {how_to_load(model, out)}")
+
+
+def how_to_load(model: dict, out: Path) -> str:
+    """The line that rebuilds the model the weights belong to (by where it came from)."""
+    kwargs = ", ".join(f"{k}={v!r}" for k, v in (model.get("kwargs") or {}).items())
+    load = f"model.load_state_dict(torch.load({str(out)!r}, weights_only=True))"
+    if model.get("target"):
+        module, fn = model["target"].split(":")
+        return f"from {module} import {fn}; model = {fn}({kwargs}); {load}"
+    if (model.get("hf") or {}).get("config"):
+        return (
+            "the weights are named hf.<transformers' name>: strip the 'hf.' prefix and load "
+            "them into the transformers model built from the same config"
+        )
+    extra = f", {kwargs}" if kwargs else ""
+    return f"model = timm.create_model({model.get('name')!r}, num_classes=...{extra}); {load}"
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ cast up to fp32 and its floating outputs cast back to the dtype its first input 
 layers around it see what they saw before. Its weights must be fp32 (every shipped precision
 keeps fp32 weights). Patterns are module names (fnmatch globs: `layers.*.attention`, `output`),
 class names (`LayerNorm`), or presets: `norms` (every normalisation layer), `head` (the
-classifier: timm's pretrained_cfg names it), `attention` (modules whose class name says so)."""
+output layer the model declares, or timm's pretrained_cfg names: models/parts.py), `attention`
+(modules whose class name says so)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
+from .models.parts import head_of
 
 log = logging.getLogger("mixprec.precision")
 NORMS = ("BatchNorm", "SyncBatchNorm", "LayerNorm", "GroupNorm", "RMSNorm", "InstanceNorm")
@@ -36,7 +38,7 @@ def matches(name: str, module: nn.Module, pattern: str, head: str | None) -> boo
 def select(model: nn.Module, patterns: list[str]) -> list[str]:
     """The outermost modules a pattern matches (a kept module's children run inside it); a
     pattern that matches no module is a config error."""
-    head = (getattr(model, "pretrained_cfg", None) or {}).get("classifier")
+    head = head_of(model)
     named = [(n, m) for n, m in model.named_modules() if n]
     for p in patterns:
         if not any(matches(n, m, p, head) for n, m in named):

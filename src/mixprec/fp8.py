@@ -16,6 +16,7 @@ from omegaconf import MISSING
 from torch import nn
 
 from .errors import ConfigError, check, one_of
+from .models.parts import head_of
 from .perf import blended_peak
 from .precision import Precision, PrecisionConfig
 
@@ -86,7 +87,7 @@ class Plugin(Precision):
     def convert(self, model: nn.Module) -> nn.Module:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        head = getattr(model, "pretrained_cfg", {}).get("classifier")
+        head = head_of(model)
         linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         self.converted = []
 

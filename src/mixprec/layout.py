@@ -161,4 +161,5 @@ def plan(c: TrainConfig, micro_batches_per_epoch: int, layout: Layout) -> loop.P
         t.clip_grad_norm,
         c.ckpt.every_steps,
         t.settle_late and not c.debug.locate,  # the doctor re-runs a step before the next one
+        t.val_every,
     )

@@ -71,6 +71,7 @@ class StepLedger:
             leave=False,
         )
         self.started = time.perf_counter()
+        self.evaluate: Callable[[], dict] = lambda: {}  # loop.train sets it: the val metrics
         if learner.bn_guard.enabled:
             log.info(
                 "scaler.guard_bn_stats: %d BatchNorm running-stat tensors are put back after "
@@ -137,6 +138,8 @@ class StepLedger:
         nxt, plan = self.state.step + 1, self.plan  # the pending step's number, if taken
         if nxt >= plan.total_steps or (plan.ckpt_every and nxt % plan.ckpt_every == 0):
             return True
+        if plan.val_every and nxt % plan.val_every == 0:  # evaluated before the next forward
+            return True
         if nxt % plan.log_every == 0 or (nxt + 1) % plan.log_every == 0:
             return True
         stop = self.hooks.stop
@@ -172,17 +175,32 @@ class StepLedger:
             self._act_on(stepped)
 
     def _act_on(self, stepped: bool) -> None:
-        """Stop signals and checkpoints, at a step boundary."""
+        """Stop signals, evaluations and checkpoints, at a step boundary."""
         signum = self._stop_signal()
         if signum:
             self.hooks.stop.acknowledge()
-            saved = save_if_healthy(
+            raise Preempted(signum, checkpointed=self._save())
+        step, plan = self.state.step, self.plan
+        if stepped and plan.val_every and step % plan.val_every == 0:
+            self.validate()
+        if stepped and plan.ckpt_every and step % plan.ckpt_every == 0:
+            self._save()
+
+    def _save(self) -> bool:
+        with self.hooks.meter.paused():  # writing a checkpoint is not training time
+            return save_if_healthy(
                 self.hooks.save, self.state, self.hooks.guard, self.learner.model
             )
-            raise Preempted(signum, checkpointed=saved)
-        every = self.plan.ckpt_every
-        if stepped and every and self.state.step % every == 0:
-            save_if_healthy(self.hooks.save, self.state, self.hooks.guard, self.learner.model)
+
+    def validate(self) -> None:
+        """Evaluate on the validation set and log it, once per step."""
+        st = self.state
+        if st.val_step == st.step and st.val:
+            return
+        with self.hooks.meter.paused():
+            st.val = self.evaluate()
+        st.val_step = st.step
+        self.log_evaluation()
 
     def _stop_signal(self) -> int:
         """The stop signal every rank agrees on: checked each step alone, every log_every

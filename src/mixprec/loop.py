@@ -51,6 +51,7 @@ class Plan:
     clip_grad_norm: float | None = None  # max norm of the true (unscaled) gradients
     ckpt_every: int | None = None  # optimizer steps between checkpoints
     settle_late: bool = True  # settle each step while the next one runs (StepLedger)
+    val_every: int | None = None  # optimizer steps between evaluations (besides epoch ends)
 
 
 @dataclass
@@ -65,6 +66,8 @@ class TrainState:
     )  # the last evaluation: {"val/loss": ..., "val/acc1": ...}
     last_loss: float | None = None
     elapsed_s: float = 0.0  # wall seconds of the run up to this state (resumed parts included)
+    train_s: float = 0.0  # seconds in training steps up to this state (perf.Throughput.train_s)
+    val_step: int = -1  # the step the last evaluation saw (none is repeated at that step)
     layout: dict = field(default_factory=dict)  # batch, accum, world: what the counts are in
 
     @classmethod
@@ -157,8 +160,9 @@ def evaluate(
 
 def train(learner: Learner, data, state: TrainState, plan: Plan, hooks: Hooks) -> TrainState:
     """Train until plan.total_steps optimizer steps are taken or plan.epochs are done,
-    evaluating after every epoch (and after the last step)."""
+    evaluating every plan.val_every steps, after every epoch and after the last step."""
     ledger = StepLedger(learner, state, plan, hooks)
+    ledger.evaluate = lambda: evaluate(learner, data.val, hooks.dist.reduce)
     for epoch in range(state.epoch, plan.epochs):
         for micro_batches in ledger.batches(data.train, epoch):
             logged = ledger.wants_grad_norm()
@@ -173,9 +177,7 @@ def train(learner: Learner, data, state: TrainState, plan: Plan, hooks: Hooks) -
             )
             ledger.record(out)
         ledger.settle_pending()
-        with hooks.meter.paused():
-            state.val = evaluate(learner, data.val, hooks.dist.reduce)
-        ledger.log_evaluation()
+        ledger.validate()
         if ledger.done():
             break
         state.epoch, state.batch_in_epoch = epoch + 1, 0

@@ -61,6 +61,8 @@ METRICS: list[Metric] = [  # the report's columns come in this order
     Metric("grad/all"),
     Metric("grad/abs_max"),
     Metric("epoch"),
+    Metric("time/elapsed_s"),  # every row: wall seconds since the run started (resumes included)
+    Metric("time/train_s"),  # every row: seconds in training steps after the first (perf.py)
 ]
 
 

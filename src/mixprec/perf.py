@@ -98,11 +98,23 @@ class Throughput:
         self.timed_steps = 0  # steps attempted inside the steady-state measurement
         self.first_step_s: float | None = None  # process start -> first step done
         self.compile_first_s: float | None = None  # compile seconds by then (the rest: eval)
+        self._last = 0.0  # the clock at the latest synchronised measurement
+        self._train_t0: float | None = None  # when the first step ended (training time from it)
+        self._excluded = 0.0  # seconds outside training (evaluation, checkpoints) since then
 
     def _now(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        self._last = time.perf_counter()
+        return self._last
+
+    def train_s(self) -> float:
+        """Seconds spent in training steps from the end of the first step (which holds the
+        compile: first_step_s) to the latest synchronised measurement, evaluation and
+        checkpoints excluded. Reads no clock of its own: a log row costs no extra sync."""
+        if self._train_t0 is None:
+            return 0.0
+        return max(self._last - self._train_t0 - self._excluded, 0.0)
 
     def start(self, step: int) -> None:
         self._t_start = self._t_win = self._now()
@@ -126,6 +138,7 @@ class Throughput:
         """Record when the first step ended (the caller synchronised): (first_step_s,
         compile_s so far)."""
         self.first_step_s, self.compile_first_s = round(since_job_start(), 2), compile_s()
+        self._train_t0 = self._last = time.perf_counter()
         return self.first_step_s, self.compile_first_s
 
     def maybe_end_warmup(self, step: int) -> None:
@@ -142,7 +155,7 @@ class Throughput:
 
     @contextmanager
     def paused(self):
-        """Time spent in the block (evaluation) is not training time."""
+        """Time spent in the block (evaluation, a checkpoint) is not training time."""
         start = self._now()
         try:
             yield
@@ -151,6 +164,8 @@ class Throughput:
             self._paused_win += gap
             if self._steady is not None:
                 self._paused += gap
+            if self._train_t0 is not None:
+                self._excluded += gap
 
     def stop(self) -> None:
         end = self._now()

@@ -117,6 +117,8 @@ class Session:
         self.ckpt = parts.run_dir / "checkpoints" / "last.pt"
         self.found: Path | None = None  # the checkpoint this run resumed from
         self.state_at_resume = 0.0  # wall seconds of the run before that checkpoint
+        self.train_s_at_resume = 0.0  # seconds in training steps before it
+        self.hooks: Hooks | None = None
         self.phases = hardware.PhaseMemory(
             parts.learner.model, parts.learner.optimizer, parts.device
         )
@@ -127,7 +129,7 @@ class Session:
         if blob is not None and self.state.step >= p.plan.total_steps:
             return self._already_done()
         self.accept()  # from here on the run dir is this run's: .hydra/, train.log
-        self.tracker = Tracker(self._sinks(blob) if p.dist.main else [])
+        self.tracker = Tracker(self._sinks(blob) if p.dist.main else [], self.clock)
         self.hooks = hooks = self._hooks()
         try:
             with hooks.stop, logging_redirect_tqdm() if hooks.progress else nullcontext():
@@ -172,6 +174,7 @@ class Session:
         optim.continue_at_lr(p.learner, p.lr, found, self.state.step)
         if self._continues_own_run():  # a run from another run's checkpoint is a new run
             self.state_at_resume = self.state.elapsed_s
+            self.train_s_at_resume = self.state.train_s
         log.info(
             "resumed from %s at step %d (epoch %d, micro-batch %d)",
             found,
@@ -200,7 +203,7 @@ class Session:
         their runs (a run started from another run's checkpoint is a new run)."""
         p, c = self.p, self.p.config
         own = blob is not None and self._continues_own_run()
-        tags = (c.precision.name, c.model.name, p.hw.name, c.name)
+        tags = (c.precision.name, c.model.label, p.hw.name, c.name)
         ctx = sinks.Context(
             p.run_dir,
             describe.what_ran(p),
@@ -241,6 +244,7 @@ class Session:
 
     def _save(self, state: loop.TrainState) -> None:
         state.elapsed_s = self.wall_s  # a resumed run's wall_s counts the earlier parts too
+        state.train_s = self.train_s
         c = self.p.config  # every rank is here: gathering or writing shards are collectives
         by_name = c.parallel.strategy == "fsdp"  # its checkpoints fit any world
         args = (self.resolved, c.ckpt.keep, by_name, c.ckpt.sharded)
@@ -287,6 +291,17 @@ class Session:
             log.info(messages.final_line(self))  # the last line: how the run ended
         if self.status == "preempted":  # last: submitit's handler requeues the job and exits
             hooks.stop.forward()
+
+    @property
+    def train_s(self) -> float:
+        """Seconds in training steps of the whole run (perf.Throughput.train_s), resumed
+        parts included."""
+        meter = self.hooks.meter if self.hooks is not None else None
+        return self.train_s_at_resume + (meter.train_s() if meter is not None else 0.0)
+
+    def clock(self) -> dict:
+        """The time keys of every log row: loss against time can be drawn from any run dir."""
+        return {"time/elapsed_s": round(self.wall_s, 3), "time/train_s": round(self.train_s, 3)}
 
     @property
     def wall_s(self) -> float:

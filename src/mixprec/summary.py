@@ -66,12 +66,13 @@ def of_session(s) -> dict:
         loss_scale=_loss_scale(p.learner.precision),
         mfu=meter.mfu(meter.steady_rate),
         wall_s=s.wall_s,
+        train_s=round(s.train_s, 3),
         tokens_per_s=meter.tokens(meter.steady_rate),
         task=p.data.task.name,
         train_loss=st.last_loss,
         optimizer_steps=p.plan.total_steps,
         lr=p.lr,
-        model=c.model.name,
+        model=c.model.label,
         data=c.data.name,
         hardware=p.hw.name,
         device=str(p.device),
@@ -116,7 +117,7 @@ def of_refusal(cfg, e: MixprecError) -> dict:
         precision=pick("precision.name"),
         batch=pick("batch"),
         steps=0,
-        model=pick("model.name"),
+        model=pick("model.target") or pick("model.name"),
         data=pick("data.name"),
     )
 

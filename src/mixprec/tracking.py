@@ -24,8 +24,9 @@ def dropped(label: str, what: str, e: Exception) -> None:
 class Tracker:
     """`log()` per event, `summary()` at the end, `close()` always (in finally)."""
 
-    def __init__(self, sinks: list | None = None) -> None:
+    def __init__(self, sinks: list | None = None, clock=lambda: {}) -> None:
         self.sinks = list(sinks or [])
+        self.clock = clock  # the time/* keys every row carries (Session.clock)
 
     def _each(self, what: str, call) -> None:
         for sink in list(self.sinks):
@@ -40,7 +41,7 @@ class Tracker:
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """One event; keys whose value is None (not measured) are left out of the row."""
-        row = {"step": step, **{k: v for k, v in metrics.items() if v is not None}}
+        row = {"step": step, **{k: v for k, v in metrics.items() if v is not None}, **self.clock()}
         self._each("log", lambda s: s.log(row))
 
     def table(self, name: str, rows: list[dict]) -> None:

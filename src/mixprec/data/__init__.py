@@ -47,6 +47,11 @@ def parse(node: dict) -> Any:
             f"data={name!r} is not a dataset{nearest(str(name), names())} "
             f"(allowed: {', '.join(names())})"
         )
+    if "target" in node and name != "custom":
+        raise ConfigError(
+            f"data.target is not a key of data={name}: your own datasets are "
+            f"data=custom data.target={node['target']} (src/mixprec/data/custom.py)"
+        )
     return schema.parse(_module(name).Config, node, "data", f"data={name}")
 
 
@@ -56,10 +61,12 @@ def spec(cfg: Any) -> tuple[int, tuple[int, ...]]:
 
 
 def task(cfg: Any):
-    """What a model learns from this dataset (tasks.py): its module's TASK, else classification."""
+    """What a model learns from this dataset (tasks.py): its module's task(cfg) or TASK, else
+    classification."""
     from ..tasks import CLASSIFY
 
-    return getattr(module_for(cfg), "TASK", CLASSIFY)
+    module = module_for(cfg)
+    return module.task(cfg) if hasattr(module, "task") else getattr(module, "TASK", CLASSIFY)
 
 
 def build(cfg: Any, ctx: Context) -> Data:

@@ -1,0 +1,308 @@
+"""Models through one door, from one of three sources (the first one the config sets):
+
+- `model.target=pkg.module:callable`: your own nn.Module (models/parts.py: what it may declare);
+- `model=hf` (`model.hf.config`): a Hugging Face transformers model built from its config;
+- `model.name`: any timm model (timm.list_models()), mixprec's Llama and digits nets among them.
+
+build() gives every source the same treatment: made on its device, materialised by one forward
+on zeros (lazy layers, and a model that cannot take the data says so), its output checked
+against the data's task, then checkpointing, memory format and the Triton max-pool."""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import timm
+import torch
+from omegaconf import MISSING
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
+
+from .. import llama, targets, tasks  # llama: registers mixprec_llama with timm
+from ..errors import ConfigError, check, one_of
+from ..ops import use_triton_max_pool
+from . import zoo  # noqa: F401  (registers mixprec_digits_cnn / _mlp with timm)
+from .parts import blocks_of, checkpoint_blocks, head_of, outermost, repeated_blocks
+
+__all__ = ["ModelConfig", "HFConfig", "build", "unwrap", "head_of", "blocks_of", "repeated_blocks"]
+log = logging.getLogger(__name__)
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_SCOPES = ("model", "blocks")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+@dataclass
+class HFConfig:
+    """model.hf.*: a Hugging Face transformers model from its config (model=hf)"""
+
+    config: Optional[str] = MISSING  # a model type (llama, vit, ...) or a config.json; null = off
+    overrides: Dict[str, Any] = MISSING  # config fields set on top, e.g. {hidden_size: 4096}
+
+
+@dataclass
+class ModelConfig:
+    """conf/model/*.yaml name the model; the switches' defaults are in conf/train.yaml."""
+
+    name: Optional[str] = MISSING  # a timm model name (timm.list_models()), if no target / hf
+    target: Optional[str] = MISSING  # your own model: 'package.module:callable' returning it
+    path: Optional[str] = MISSING  # a folder put first on the module path for model.target
+    hf: HFConfig = MISSING  # model=hf: a transformers model from its config
+    head: Optional[str] = MISSING  # the output layer's module name (else the model's own)
+    blocks: Optional[str] = MISSING  # a glob naming the repeated blocks (else found by shape)
+    channels_last: bool = MISSING  # NHWC memory format (faster convs on tensor cores)
+    compile: bool = MISSING  # torch.compile the model
+    compile_mode: Optional[str] = MISSING  # torch.compile mode: null, reduce-overhead, max-autotune
+    compile_options: Dict[str, Any] = MISSING  # inductor options on top of the mode
+    compile_scope: str = MISSING  # model: one graph; blocks: each repeated block (compiles faster)
+    cuda_graphs: bool = (
+        MISSING  # capture forward+backward once, replay it (static shapes, GPU only)
+    )
+    triton_max_pool: bool = MISSING  # nn.MaxPool2d through mixprec's Triton kernels (ops.py)
+    grad_checkpointing: bool = (
+        MISSING  # recompute activations in backward: less memory, more compute
+    )
+    kwargs: Dict[str, Any] = MISSING  # extra arguments of the model's builder (timm or target)
+
+    def __post_init__(self) -> None:
+        if self.target is not None:
+            targets.check_target("model.target", self.target)
+        elif self.hf.config is None:
+            check(self.name is not None, "model.name", None, "a timm model name")
+            check_name(self.name)
+        one_of("model.compile_mode", self.compile_mode, COMPILE_MODES)
+        one_of("model.compile_scope", self.compile_scope, COMPILE_SCOPES)
+        check(
+            self.compile_scope == "model" or self.compile_mode not in CUDA_GRAPH_MODES,
+            "model.compile_scope",
+            self.compile_scope,
+            "model with compile_mode="
+            f"{self.compile_mode} (CUDA graphs of one region would overwrite the outputs the "
+            "next region reads); for blocks use compile_mode null/default or "
+            "max-autotune-no-cudagraphs",
+        )
+        check(
+            not (self.cuda_graphs and (self.compile or self.grad_checkpointing)),
+            "model.cuda_graphs",
+            self.cuda_graphs,
+            "false with model.compile or "
+            "model.grad_checkpointing (compile_mode=reduce-overhead graphs a compiled model)",
+        )
+
+    @property
+    def source(self) -> str:
+        """target, hf or timm: where the model comes from (the first the config sets)."""
+        return "target" if self.target else "hf" if self.hf.config else "timm"
+
+    @property
+    def label(self) -> str:
+        """The model as runs are labelled (summary.json, W&B tags, the report)."""
+        return {"target": self.target, "hf": f"hf:{self.hf.config}", "timm": self.name}[self.source]
+
+    @property
+    def key(self) -> str:
+        """The config key that chose the model, for messages."""
+        return {"target": "model.target", "hf": "model.hf.config", "timm": "model.name"}[
+            self.source
+        ]
+
+
+def check_name(name: str) -> None:
+    if not timm.is_model(name):
+        close = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError(
+            f"model.name={name!r} is not a timm model{hint} "
+            "(allowed: any name in timm.list_models(), e.g. resnet50, "
+            "convnext_tiny, vit_small_patch16_224, mixprec_digits_cnn)"
+        )
+
+
+def build(
+    mcfg: ModelConfig,
+    num_classes: int,
+    input_shape: tuple[int, ...],
+    device: torch.device,
+    task=None,
+) -> nn.Module:
+    """The model on its device, in its memory format, materialised, with activation
+    checkpointing and the Triton max-pool if asked: everything before the precision converts it
+    (build.assemble holds the order: model, precision, parallel wrap, compile, optimizer).
+    A language model gets the data's vocabulary and sequence length, an image model its
+    classes and channels; a model that returns the wrong shape for the data is a config error."""
+    task = task or tasks.CLASSIFY
+    with device:  # weights made and initialised where they train (a 1B model: 5 s on a CPU)
+        model = _create(mcfg, num_classes, input_shape, task)
+    model.to(device)
+    if mcfg.head:
+        check(
+            dict(model.named_modules()).get(mcfg.head) is not None,
+            "model.head",
+            mcfg.head,
+            "the name of one of the model's modules",
+        )
+        model.mixprec_head = mcfg.head
+    if mcfg.blocks:
+        check(
+            bool(outermost(model, mcfg.blocks)),
+            "model.blocks",
+            mcfg.blocks,
+            "a glob matching the model's repeated blocks, e.g. layers.*",
+        )
+        model.mixprec_blocks = mcfg.blocks
+    zeros = task.zeros(1, input_shape, device)
+    _check_output(_materialise(model, mcfg, zeros), mcfg, task, num_classes, input_shape)
+    if mcfg.grad_checkpointing:
+        model = enable_grad_checkpointing(model, mcfg.label)
+    if mcfg.channels_last:
+        model.to(memory_format=torch.channels_last)
+        log.info("model.channels_last: weights (and every input batch) in NHWC")
+    if mcfg.triton_max_pool:
+        log.info(
+            "model.triton_max_pool: %d nn.MaxPool2d run mixprec::max_pool2d (Triton "
+            "kernels for channels-last CUDA tensors)",
+            use_triton_max_pool(model),
+        )
+    return model
+
+
+def _create(mcfg: ModelConfig, num_classes: int, input_shape, task) -> nn.Module:
+    """The model from its source, before anything mixprec does to it."""
+    lm = task.name == "lm"
+    if mcfg.source == "hf":
+        from . import hf
+
+        return hf.build(mcfg.hf.config, dict(mcfg.hf.overrides), task, num_classes, input_shape)
+    if mcfg.source == "target":
+        facts = {"num_classes": num_classes}
+        facts.update(
+            {"vocab_size": num_classes, "max_seq_len": input_shape[0]}
+            if lm
+            else {"in_chans": input_shape[0], "input_shape": tuple(input_shape)}
+        )
+        fn = targets.load("model.target", mcfg.target, mcfg.path)
+        model = targets.call("model.target", mcfg.target, fn, dict(mcfg.kwargs), facts)
+        if not isinstance(model, nn.Module):
+            raise ConfigError(
+                f"model.target={mcfg.target!r} returned {type(model).__name__}, not a "
+                "torch.nn.Module"
+            )
+        return model
+    check_fits(mcfg.name, task)
+    shaped = {"max_seq_len": input_shape[0]} if lm else {"in_chans": input_shape[0]}
+    try:
+        return timm.create_model(
+            mcfg.name, pretrained=False, num_classes=num_classes, **shaped, **mcfg.kwargs
+        )
+    except (TypeError, ValueError) as e:  # e.g. a model.kwargs key this model does not take
+        raise ConfigError(
+            f"model.name={mcfg.name!r} with model.kwargs={dict(mcfg.kwargs)}: "
+            f"{str(e).splitlines()[0][:200]}"
+        ) from None
+
+
+def _check_output(out, mcfg: ModelConfig, task, num_classes: int, input_shape) -> None:
+    """The model's output for one sample is what the task's loss needs: (1, classes) for
+    classification, (1, T, vocab) for token sequences."""
+    want = (1, input_shape[0], num_classes) if task.name == "lm" else (1, num_classes)
+    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    if got != want:
+        kind = "token sequences (batch, T, vocab)" if task.name == "lm" else "(batch, classes)"
+        raise ConfigError(
+            f"{mcfg.key}={mcfg.label!r} returns {got} for an input of shape "
+            f"{(1, *input_shape)}; this data needs logits {want}: {kind}, with the data's "
+            f"{'vocabulary' if task.name == 'lm' else 'classes'} ({num_classes})"
+        )
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under every wrapper (torch.compile's OptimizedModule, DDP), however
+    they nest: the one module whose state_dict keys carry no `_orig_mod.` or `module.`."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if isinstance(model, OptimizedModule):
+            model = model._orig_mod
+        elif isinstance(model, DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
+def check_fits(name: str, task) -> None:
+    """A language model needs token data, an image model images."""
+    lm = name in llama.LM_MODELS
+    if lm != (task.name == "lm"):
+        raise ConfigError(
+            f"model.name={name!r} is "
+            + (
+                "a language model and this data is images; use data=text or data=tokens"
+                if lm
+                else "an image model and this data is token sequences; use a language model "
+                "(model=llama_tiny, llama_1b, llama_8b_slice)"
+            )
+        )
+
+
+def _materialise(model: nn.Module, mcfg: ModelConfig, zeros: torch.Tensor):
+    """One forward on zeros: lazy layers get their shapes before the optimizer sees the
+    parameters, and a model that cannot take the data's input says so before any training.
+    Returns the output (its shape is checked against the task)."""
+    input_shape = tuple(zeros.shape[1:])
+    try:
+        with torch.no_grad():
+            out = model.eval()(zeros)
+    except (RuntimeError, AssertionError, ValueError, TypeError, IndexError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        hint = (
+            "pick a model for that input size (e.g. model=digits_cnn for data=digits; "
+            "vit/convnext models want ImageNet-sized images such as data=synthetic)"
+            if mcfg.source == "timm"
+            else "the model's forward must take the data's batches as they are"
+        )
+        raise ConfigError(
+            f"{mcfg.key}={mcfg.label!r} cannot take this data's input of shape "
+            f"{tuple(input_shape)} ({first}); {hint}"
+        ) from None
+    model.train()
+    return out
+
+
+class _CheckpointedSequential(nn.Module):
+    """Fallback for plain nn.Sequential models: torch.utils.checkpoint over 4 segments."""
+
+    def __init__(self, seq: nn.Sequential) -> None:
+        super().__init__()
+        self.seq = seq
+
+    def forward(self, x):
+        if not self.training:
+            return self.seq(x)
+        return checkpoint_sequential(self.seq, min(4, len(self.seq)), x, use_reentrant=False)
+
+
+def enable_grad_checkpointing(model: nn.Module, name: str) -> nn.Module:
+    """timm's set_grad_checkpointing where the model has it (HF models through their own);
+    else each declared block (mixprec_blocks, model.blocks) recomputed in the backward;
+    torch.utils.checkpoint over a Sequential; a clear error where none applies."""
+    if hasattr(model, "set_grad_checkpointing"):
+        try:
+            model.set_grad_checkpointing(True)
+            return model
+        except (AssertionError, NotImplementedError) as e:
+            reason = str(e) or "not supported"
+    else:
+        reason = "no set_grad_checkpointing()"
+    if getattr(model, "mixprec_blocks", None):
+        checkpoint_blocks(blocks_of(model))
+        return model
+    if isinstance(model, nn.Sequential):
+        return _CheckpointedSequential(model)
+    raise ConfigError(
+        f"model.grad_checkpointing=true: {name} does not support it ({reason}); "
+        "use a timm model that does (resnet*, convnext*, vit_*), declare the model's blocks "
+        "(mixprec_blocks, or model.blocks=GLOB), or set it false"
+    )

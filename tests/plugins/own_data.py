@@ -1,0 +1,64 @@
+"""Datasets defined outside mixprec, as a user writes them (`data=custom
+data.target=own_data:blobs`): each callable returns its train and val datasets and what they
+teach."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+
+def blobs(n: int = 512, classes: int = 4, size: int = 8, seed: int = 0) -> dict:
+    """1 x size x size images: a class's own fixed pattern plus noise (learnable in a few
+    dozen steps)."""
+    g = torch.Generator().manual_seed(seed)
+    patterns = torch.randn(classes, 1, size, size, generator=g)
+    y = torch.randint(0, classes, (n,), generator=g)
+    x = patterns[y] + 0.8 * torch.randn(n, 1, size, size, generator=g)
+    cut = n * 3 // 4
+    return {
+        "train": TensorDataset(x[:cut], y[:cut]),
+        "val": TensorDataset(x[cut:], y[cut:]),
+        "num_classes": classes,
+    }
+
+
+class Counting(Dataset):
+    """Token sequences that count up modulo the vocabulary from a random start: the next token
+    is always the current one plus one."""
+
+    def __init__(self, n: int, seq_len: int, vocab: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.starts = torch.randint(0, vocab, (n,), generator=g)
+        self.seq_len, self.vocab = seq_len, vocab
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int):
+        seq = (self.starts[i] + torch.arange(self.seq_len + 1)) % self.vocab
+        return seq[:-1], seq[1:]
+
+
+def counting(n: int = 256, seq_len: int = 16, vocab: int = 32) -> dict:
+    return {
+        "train": Counting(n, seq_len, vocab, seed=0),
+        "val": Counting(n // 4, seq_len, vocab, seed=1),
+        "vocab_size": vocab,
+    }
+
+
+def rgb(n: int = 64) -> dict:
+    """3-channel images (for a model that takes one channel: a shape error before training)."""
+    x, y = torch.randn(n, 3, 8, 8), torch.randint(0, 4, (n,))
+    return {"train": TensorDataset(x, y), "val": TensorDataset(x, y), "num_classes": 4}
+
+
+def bad_labels(n: int = 64) -> dict:
+    x, y = torch.randn(n, 1, 8, 8), torch.full((n,), 7)
+    return {"train": TensorDataset(x, y), "val": TensorDataset(x, y), "num_classes": 4}
+
+
+def no_val() -> dict:
+    x, y = torch.randn(8, 1, 8, 8), torch.zeros(8, dtype=torch.long)
+    return {"train": TensorDataset(x, y), "num_classes": 2}

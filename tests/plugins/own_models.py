@@ -1,0 +1,105 @@
+"""Models defined outside mixprec, as a user writes them (tests/test_own_model.py trains them
+through train.py with `model.target=own_models:TinyConvNet` and tests/plugins on PYTHONPATH).
+Each declares its head and its repeated blocks (docs/own-model.md); nothing else is asked."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.norm = nn.GroupNorm(4, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.relu(self.norm(self.conv(x)))
+
+
+class TinyConvNet(nn.Module):
+    """(B, C, H, W) images -> (B, classes): a stem, `depth` identical blocks, a linear head."""
+
+    mixprec_head = "head"
+    mixprec_blocks = "blocks.*"
+
+    def __init__(self, num_classes: int, in_chans: int, width: int = 16, depth: int = 2) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(in_chans, width, 3, padding=1)
+        self.blocks = nn.ModuleList(ConvBlock(width) for _ in range(depth))
+        self.head = nn.Sequential(nn.Flatten(), nn.LazyLinear(num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(F.adaptive_avg_pool2d(x, 2))
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention and an MLP."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyLM(nn.Module):
+    """(B, T) token ids -> (B, T, vocab) logits."""
+
+    mixprec_head = "lm_head"
+    mixprec_blocks = "layers.*"
+
+    def __init__(self, vocab_size: int, max_seq_len: int, dim: int = 32, depth: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.pos = nn.Parameter(torch.zeros(max_seq_len, dim))
+        self.layers = nn.ModuleList(Block(dim, heads=2) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def plain_mlp(num_classes: int, input_shape: tuple, hidden: int = 32) -> nn.Module:
+    """A builder function rather than a class, declaring nothing."""
+    n = 1
+    for s in input_shape:
+        n *= s
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(n, hidden), nn.ReLU(), nn.Linear(hidden, num_classes)
+    )
+
+
+def not_a_module(num_classes: int):
+    return {"classes": num_classes}
+
+
+class FixedChannels(TinyConvNet):
+    """Takes 3-channel images whatever the data is."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__(num_classes, in_chans=3)
+
+
+class FiveWay(TinyConvNet):
+    """Returns five logits whatever the data's classes."""
+
+    def __init__(self, in_chans: int) -> None:
+        super().__init__(5, in_chans)

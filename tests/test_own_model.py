@@ -1,0 +1,341 @@
+"""Your own model and data: a model and datasets defined outside src/ (tests/plugins/) train
+through train.py under each precision, compiled per block, checkpointed and resumed bit-exact,
+under torchrun with DDP and FSDP2; keep_fp32 reaches them by glob; their FLOPs are torch's
+count; Hugging Face models built from a config train on the CPU; every mistake is a config
+error naming the key."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import build, distributed, models, perf, run
+from mixprec.config import validate
+from mixprec.errors import ConfigError
+
+from conftest import ROOT, compose_cfg, last_weights, run_torchrun, run_train, train_losses
+
+PLUGINS = ROOT / "tests" / "plugins"
+PLUGINS_DIR = f"data.path={PLUGINS}"  # the folder holding the user's code
+CONV = [
+    "model.target=own_models:TinyConvNet",
+    "data=custom",
+    "data.target=own_data:blobs",
+    PLUGINS_DIR,
+]
+LM = [
+    "model.target=own_models:TinyLM",
+    "data=custom",
+    "data.target=own_data:counting",
+    PLUGINS_DIR,
+    "scheduler=constant",
+    "optimizer.lr=0.003",
+]
+PATHS = [f"model.path={PLUGINS}"]
+SMALL = ["hardware=cpu", "logger=none", "trainer.log_every=2", "trainer.perf_warmup_steps=0"]
+
+
+def user_env() -> dict:
+    return {"PYTHONPATH": os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])}
+
+
+def cfg(tmp_path: Path, *overrides: str, name: str = "run"):
+    return compose_cfg([*SMALL, *PATHS, *overrides], tmp_path / name)
+
+
+@pytest.mark.slow
+def test_own_model_and_data_train_with_train_py_under_each_cpu_precision(tmp_path):
+    """The user's way in: a multirun over precisions with the code found on PYTHONPATH."""
+    sweep = tmp_path / "sweep"
+    p = run_train(
+        [
+            "-m",
+            *SMALL,
+            *CONV,
+            "precision=fp32,bf16,amp",
+            "trainer.max_steps=30",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        env_extra=user_env(),
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    for job in ("0", "1", "2"):
+        s = json.loads((sweep / job / "summary.json").read_text())
+        assert s["status"] == "completed" and s["model"] == "own_models:TinyConvNet"
+        losses = train_losses(sweep / job)
+        assert losses[-1] < losses[0] - 0.1, (s["precision"], losses)
+        assert s["val_acc1"] > 0.5, s  # 4 classes: chance is 0.25
+    assert (sweep / "report.md").is_file()
+
+
+def test_an_own_lm_resumes_bit_exact_from_a_mid_run_checkpoint(tmp_path):
+    base = [*LM, "trainer.max_steps=8", "ckpt.every_steps=4", "ckpt.keep=3", "batch=8"]
+    run.run(cfg(tmp_path, *base, "model.grad_checkpointing=true", name="ref"))
+    half = tmp_path / "ref" / "checkpoints" / "step_00000004.pt"
+    again = cfg(tmp_path, *base, "model.grad_checkpointing=true", f"resume={half}", name="again")
+    assert run.run(again)["steps"] == 8
+    a, b = last_weights(tmp_path / "ref"), last_weights(tmp_path / "again")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_declared_blocks_compile_one_by_one_and_checkpoint(tmp_path, caplog):
+    over = [*LM, "trainer.max_steps=3", "batch=8", "model.compile=true"]
+    with caplog.at_level("INFO", logger="mixprec.models"):
+        s = run.run(
+            cfg(tmp_path, *over, "model.compile_scope=blocks", "model.grad_checkpointing=true")
+        )
+    assert s["status"] == "completed" and s["compile_s"] > 0
+    assert "2 repeated blocks (Block) one by one" in caplog.text
+    # a builder function declaring nothing: blocks are found by shape, or refused by name
+    with pytest.raises(ConfigError, match="model.compile_scope=blocks: own_models:plain_mlp has"):
+        run.run(
+            cfg(
+                tmp_path,
+                *CONV[1:],
+                "model.target=own_models:plain_mlp",
+                "model.compile=true",
+                "model.compile_scope=blocks",
+                name="mlp",
+            )
+        )
+
+
+def test_declared_blocks_are_recomputed_in_the_backward_with_the_same_gradients(tmp_path):
+    """grad_checkpointing on a model without timm's interface: each declared block runs again
+    in the backward (a layer inside it is called twice), and the gradients do not change."""
+    grads, calls = {}, {}
+    for ckpt in (False, True):
+        c = validate(cfg(tmp_path, *CONV, f"model.grad_checkpointing={ckpt}"))
+        torch.manual_seed(0)
+        model = models.build(c.model, 4, (1, 8, 8), torch.device("cpu"))
+        calls[ckpt] = 0
+        model.blocks[1].conv.register_forward_hook(
+            lambda *a, k=ckpt: calls.update({k: calls[k] + 1})
+        )
+        torch.manual_seed(1)
+        model(torch.randn(4, 1, 8, 8)).square().sum().backward()
+        grads[ckpt] = [p.grad for p in model.parameters()]
+    assert calls == {False: 1, True: 2}
+    for a, b in zip(grads[False], grads[True]):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_builder_that_declares_nothing_gets_its_head_and_blocks_from_the_config(tmp_path):
+    c = validate(
+        cfg(
+            tmp_path,
+            *CONV[1:],
+            "model.target=own_models:plain_mlp",
+            "model.blocks='[13]'",
+            "model.head=3",
+        )
+    )
+    model = models.build(c.model, 4, (1, 8, 8), torch.device("cpu"))
+    assert models.head_of(model) == "3"
+    assert [type(b) for b in models.blocks_of(model)] == [nn.Linear] * 2
+    with pytest.raises(ConfigError, match="model.head='output' is not allowed"):
+        models.build(
+            validate(cfg(tmp_path, *CONV, "model.head=output")).model,
+            4,
+            (1, 8, 8),
+            torch.device("cpu"),
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_an_own_lm_trains_under_torchrun_as_one_process(tmp_path, strategy):
+    """2 processes x batch 4 (gloo) give the losses of 1 process x batch 8: the user's dataset
+    is dealt by rank like the built-in ones, and FSDP2 shards the declared blocks."""
+    steps = [*SMALL, *LM, "trainer.max_steps=4", "ckpt.at_end=false"]
+    one = run_train([*steps, "batch=8", f"hydra.run.dir={tmp_path / 'one'}"], env_extra=user_env())
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_torchrun(
+        [
+            str(ROOT / "train.py"),
+            *steps,
+            "batch=4",
+            f"parallel={strategy}",
+            f"hydra.run.dir={tmp_path / 'two'}",
+        ],
+        env_extra=user_env(),
+    )
+    assert two.returncode == 0, (two.stdout + two.stderr)[-4000:]
+    s = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert (s["status"], s["world_size"], s["effective_batch"]) == ("completed", 2, 8)
+    torch.testing.assert_close(
+        train_losses(tmp_path / "two"), train_losses(tmp_path / "one"), rtol=1e-4, atol=1e-4
+    )
+
+
+def test_keep_fp32_by_glob_reaches_the_users_modules(tmp_path):
+    """Under bf16 autocast the user's head and second block compute in fp32 when kept by glob,
+    in bf16 when not (seen by hooks on the layers inside them)."""
+    seen = {}
+
+    def dtypes(keep: str) -> dict:
+        c = validate(cfg(tmp_path, *CONV, "precision=bf16", f"precision.keep_fp32={keep}"))
+        prec = build.new_precision(c, torch.device("cpu"))
+        spec = build.Spec(4, (1, 8, 8), 2)
+        model, _ = build.assemble(c, prec, spec, torch.device("cpu"), distributed.Dist(), 1e-3)
+        for name in ("head.1", "blocks.0.conv", "blocks.1.conv"):
+            model.get_submodule(name).register_forward_hook(
+                lambda m, a, out, name=name: seen.update({name: out.dtype})
+            )
+        with prec.autocast():
+            model(torch.randn(2, 1, 8, 8))
+        return dict(seen)
+
+    assert dtypes("[head,'blocks.1*']") == {
+        "head.1": torch.float32,
+        "blocks.0.conv": torch.bfloat16,
+        "blocks.1.conv": torch.float32,
+    }
+    assert set(dtypes("[]").values()) == {torch.bfloat16}
+
+
+def test_the_flop_count_of_a_users_model_is_torchs_counter():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    sys.path.insert(0, str(PLUGINS))
+    from own_models import TinyConvNet
+
+    torch.manual_seed(0)
+    model = TinyConvNet(num_classes=4, in_chans=1)
+    model(torch.zeros(1, 1, 8, 8))  # the lazy head gets its shape
+    total, in_head = perf.train_flops(
+        model, (1, 8, 8), 4, torch.device("cpu"), contextlib.nullcontext, {"head"}
+    )
+    x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 4, (16,))
+    with FlopCounterMode(display=False) as counter:
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert total == counter.get_total_flops() // 16 and 0 < in_head < total
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (
+            ["model.target=no_such_module:Net"],
+            "model.target='no_such_module:Net': module 'no_such_module' cannot be imported",
+        ),
+        (["model.target=own_models:Missing"], "own_models has no attribute 'Missing'"),
+        (["model.target=own_models:not_a_module"], "returned dict, not a torch.nn.Module"),
+        (
+            ["+model.kwargs.wdth=3"],
+            "model.target='own_models:TinyConvNet' with kwargs .*unexpected keyword",
+        ),
+        (["model.target=own_models"], "must be 'package.module:callable'"),
+        (["model.target=own_models:FixedChannels"], "cannot take this data's input of shape"),
+        (
+            ["model.target=own_models:FiveWay"],
+            r"returns \(1, 5\) .* this data needs logits \(1, 4\)",
+        ),
+        (["data.target=own_data:rgb", "+model.kwargs.in_chans=1"], "cannot take this data's input"),
+        (["data.target=own_data:bad_labels"], r"label 7 is outside \[0, num_classes=4\)"),
+        (["data.target=own_data:no_val"], "must give 'train' and 'val' datasets"),
+        (["data.target=null"], "data.target=None is not allowed"),
+    ],
+)
+def test_a_users_code_that_cannot_run_is_a_config_error_naming_the_key(tmp_path, overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        run.run(cfg(tmp_path, *CONV, *overrides))
+
+
+def test_data_target_on_a_built_in_dataset_points_to_data_custom(tmp_path):
+    with pytest.raises(ConfigError, match="data.target is not a key of data=digits.*data=custom"):
+        validate(cfg(tmp_path, "+data.target=own_data:blobs"))
+
+
+def test_a_target_that_cannot_be_imported_exits_2_through_train_py(tmp_path):
+    p = run_train([*SMALL, "model.target=nowhere:Net", f"hydra.run.dir={tmp_path / 'r'}"])
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "model.target='nowhere:Net': module 'nowhere' cannot be imported" in p.stdout + p.stderr
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+HF_LM = ["model=hf_llama_tiny", "data=text", "data.seq_len=32", "data.max_mb=1", "batch=8"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [HF_LM, ["model=hf_vit_tiny"]],
+    ids=["llama", "vit"],
+)
+def test_hugging_face_models_from_a_config_train_on_the_cpu(tmp_path, overrides):
+    pytest.importorskip("transformers")
+    over = [*overrides, "trainer.max_steps=12", "optimizer.lr=0.003", "scheduler=constant"]
+    c = cfg(tmp_path, *over, "model.grad_checkpointing=true")
+    s = run.run(c)
+    assert s["status"] == "completed" and s["model"].startswith("hf:")
+    losses = train_losses(Path(c.run_dir))
+    assert losses[-1] < losses[0], losses
+    weights = last_weights(Path(c.run_dir))
+    assert any(k.startswith("hf.") for k in weights)
+
+
+def test_an_hf_model_declares_its_head_and_blocks_and_fp8_would_keep_the_head():
+    pytest.importorskip("transformers")
+    from mixprec.fp8 import eligible
+    from mixprec.tasks import LanguageModel
+
+    c = validate(compose_cfg(HF_LM))
+    model = models.build(c.model, 256, (32,), torch.device("cpu"), LanguageModel())
+    assert models.head_of(model) == "hf.lm_head"
+    assert len(models.blocks_of(model)) == 4
+    assert type(models.blocks_of(model)[0]).__name__ == "LlamaDecoderLayer"
+    assert not eligible(model.hf.lm_head, "hf.lm_head", models.head_of(model), False)
+    assert eligible(
+        model.hf.model.layers[0].mlp.up_proj, "hf.model.layers.0.mlp.up_proj", "hf.lm_head", False
+    )
+    with pytest.raises(ConfigError, match="model.hf.overrides.hiden_size: LlamaConfig has no such"):
+        models.build(
+            validate(compose_cfg([*HF_LM, "+model.hf.overrides.hiden_size=8"])).model,
+            256,
+            (32,),
+            torch.device("cpu"),
+            LanguageModel(),
+        )
+    with pytest.raises(ConfigError, match="model.hf.config='lama' is neither a transformers"):
+        models.build(
+            validate(compose_cfg([*HF_LM, "model.hf.config=lama"])).model,
+            256,
+            (32,),
+            torch.device("cpu"),
+            LanguageModel(),
+        )
+
+
+def test_an_hf_config_json_of_the_users_builds_its_model(tmp_path):
+    pytest.importorskip("transformers")
+    from mixprec.tasks import LanguageModel
+
+    conf = tmp_path / "config.json"
+    conf.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+            }
+        )
+    )
+    c = validate(compose_cfg(["model=hf", f"model.hf.config={conf}", "data=text"]))
+    model = models.build(c.model, 256, (16,), torch.device("cpu"), LanguageModel())
+    assert len(models.blocks_of(model)) == 3 and model.hf.config.hidden_size == 32
+
+
+def test_without_transformers_model_hf_names_the_install_line(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    with pytest.raises(ConfigError, match=r"model=hf needs Hugging Face transformers: pip install"):
+        run.run(compose_cfg([*SMALL, "model=hf_vit_tiny"], tmp_path / "run"))
