@@ -339,3 +339,26 @@ def test_without_transformers_model_hf_names_the_install_line(monkeypatch, tmp_p
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     with pytest.raises(ConfigError, match=r"model=hf needs Hugging Face transformers: pip install"):
         run.run(compose_cfg([*SMALL, "model=hf_vit_tiny"], tmp_path / "run"))
+
+
+@pytest.mark.gpu
+def test_an_own_lm_and_an_hf_llama_train_in_fp8_compiled_per_block_on_the_gpu(tmp_path, caplog):
+    """fp8 converts the user's (and HF's) Linear layers but the declared head; compiled per
+    block; the loss falls as bf16's does."""
+    pytest.importorskip("transformers")
+    gpu = ["hardware=auto", "logger=none", "trainer.log_every=10", "trainer.perf_warmup_steps=2"]
+    common = [*gpu, "model.compile=true", "model.compile_scope=blocks", "trainer.max_steps=40"]
+    own = [*LM, f"model.path={PLUGINS}", "+model.kwargs.dim=64", "batch=32"]
+    hf = [*HF_LM[:-1], "data.seq_len=64", "batch=16", "optimizer.lr=0.003"]
+    for name, over in (("own", own), ("hf", hf)):
+        losses = {}
+        for prec in ("bf16", "fp8"):
+            c = compose_cfg([*common, *over, f"precision={prec}"], tmp_path / f"{name}-{prec}")
+            with caplog.at_level("INFO", logger="mixprec.fp8"):
+                s = run.run(c)
+            assert s["status"] == "completed" and s["device"].startswith("cuda"), s
+            losses[prec] = s["val_loss"]
+        head = "lm_head" if name == "own" else "hf.lm_head"
+        assert f"Linear layers compute in float8; kept in bf16: {head}" in caplog.text
+        caplog.clear()
+        assert abs(losses["fp8"] - losses["bf16"]) < 0.1 * losses["bf16"], (name, losses)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from mixprec import run
 
-from conftest import last_weights
+from conftest import last_weights, run_train
 
 VAL = ["trainer.max_steps=12", "trainer.val_every=4", "trainer.log_every=2"]
 
@@ -29,7 +30,9 @@ def test_val_every_evaluates_at_its_steps_and_every_row_has_the_time_keys(cfg_fa
     train = [r for r in got if "train/loss" in r]
     elapsed = [r["time/elapsed_s"] for r in got]
     assert elapsed == sorted(elapsed) and all(r["time/train_s"] <= r["time/elapsed_s"] for r in got)
-    assert 0 < train[-1]["time/train_s"] <= s["wall_s"] and s["train_s"] >= train[-1]["time/train_s"]
+    assert (
+        0 < train[-1]["time/train_s"] <= s["wall_s"] and s["train_s"] >= train[-1]["time/train_s"]
+    )
     # evaluation is not training time: train_s stands (nearly) still across an evaluation,
     # and the next window's train_s grows by its own steps only
     at_4 = [r["time/train_s"] for r in got if r["step"] == 4]
@@ -55,3 +58,93 @@ def test_a_resume_across_a_mid_epoch_evaluation_is_bit_exact_and_time_continues(
     after = [r for r in rows(again) if r["step"] > 6]
     assert after and all(r["time/elapsed_s"] > before for r in after)
     assert torch.load(half, weights_only=True)["state"]["train_s"] > 0
+
+
+def seed(precision: str, n: int, losses: list[float], secs_per_step: float = 1.0, **kw):
+    from mixprec.study import Point, Seed
+
+    curve = [Point(10 * (i + 1), 10 * (i + 1) * secs_per_step, v) for i, v in enumerate(losses)]
+    return Seed(
+        precision,
+        n,
+        f"{precision}-{n}",
+        "completed",
+        curve,
+        final=losses[-1],
+        best=min(losses),
+        **kw,
+    )
+
+
+def test_loss_matched_speedup_on_curves_with_a_known_answer():
+    """bf16 takes 1 s a step, fp8 0.5 s on the same curve: 2x, whatever the seed; the target
+    (the worst bf16 seed's final loss, 2.0) is met between evaluations, interpolated."""
+    from mixprec.study import analyse
+
+    curve = [4.0, 3.0, 2.0]
+    seeds = [seed("bf16", i, curve) for i in range(3)]
+    seeds += [seed("fp8", i, curve, secs_per_step=0.5) for i in range(3)]
+    result = analyse(seeds, "bf16")
+    rows = {r.precision: r for r in result["rows"]}
+    assert result["target"] == 2.0 and list(rows) == ["bf16", "fp8"]
+    assert rows["bf16"].seconds_to == (30.0, 0.0) and rows["fp8"].seconds_to == (15.0, 0.0)
+    assert rows["fp8"].speedup == pytest.approx(2.0) and rows["fp8"].interval == (2.0, 2.0)
+    assert "reaches the target 2.00x as fast as bf16" in rows["fp8"].verdict
+    # a target between evaluations: 2.5 is halfway from step 20 (3.0) to step 30 (2.0)
+    at = {r.precision: r for r in analyse(seeds, "bf16", target=2.5)["rows"]}
+    assert at["bf16"].steps_to == pytest.approx(25.0) and at["fp8"].seconds_to[0] == 12.5
+
+
+def test_not_reached_crossing_twice_and_diverged_seeds_are_named():
+    from mixprec.study import analyse, crossing
+
+    twice = seed("amp", 0, [3.0, 1.9, 2.4, 1.8]).curve  # dips under 2.0, back up, under again
+    assert crossing(twice, 2.0)[0] == pytest.approx(10 + 10 * (1.0 / 1.1))  # the first crossing
+    seeds = [seed("bf16", i, [3.0, 2.0]) for i in range(2)]
+    seeds += [seed("amp", 0, [3.0, 2.5]), seed("amp", 1, [3.0, 1.9])]
+    seeds += [seed("fp8", 0, [3.0, 2.0]), seed("fp8", 1, [3.0, float("nan")], diverged=True)]
+    rows = {r.precision: r for r in analyse(seeds, "bf16")["rows"]}
+    assert rows["amp"].not_reached == ["seed 0 (best 2.5)"]
+    assert "not reached: seed 0 (best 2.5)" in rows["amp"].verdict
+    assert rows["fp8"].diverged == ["seed 1 (fp8-1)"] and "diverged: seed 1" in rows["fp8"].verdict
+    assert rows["fp8"].seeds == 2 and rows["fp8"].speedup == pytest.approx(1.0)
+
+
+def test_an_interval_covering_one_is_no_difference_we_can_resolve():
+    from mixprec.study import analyse
+
+    seeds = [seed("bf16", i, [3.0, 2.0], secs_per_step=s) for i, s in enumerate((1.0, 1.3, 0.8))]
+    seeds += [seed("fp8", i, [3.0, 2.0], secs_per_step=s) for i, s in enumerate((0.9, 1.2, 0.85))]
+    fp8 = analyse(seeds, "bf16")["rows"][1]
+    lo, hi = fp8.interval
+    assert lo < 1 < hi and "no difference we can resolve from bf16" in fp8.verdict
+    # the same spread, far apart: resolved
+    fast = [seed("fp8", i, [3.0, 2.0], secs_per_step=s / 3) for i, s in enumerate((0.9, 1.2, 0.85))]
+    assert analyse(seeds[:3] + fast, "bf16")["rows"][1].interval[0] > 1
+
+
+@pytest.mark.slow
+def test_the_cpu_study_runs_end_to_end_through_train_py(tmp_path):
+    """experiment=quality_cpu, 2 precisions x 2 seeds: study.md, study.json, study.png, and the
+    report opens with the study's table."""
+    p = run_train(
+        [
+            "experiment=quality_cpu",
+            "seed=0,1",
+            "trainer.max_steps=30",
+            "logger=none",
+            f"hydra.sweep.dir={tmp_path}",
+        ]
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    result = json.loads((tmp_path / "study.json").read_text())
+    assert result["reference"] == "fp32" and [r["precision"] for r in result["rows"]] == [
+        "fp32",
+        "bf16",
+    ]
+    assert all(r["seeds"] == 2 and r["final"] for r in result["rows"])
+    assert (tmp_path / "study.png").stat().st_size > 10_000
+    assert (tmp_path / "report.md").read_text().startswith("## Time to the same quality")
+    seeds = {(s["precision"], s["seed"]) for s in result["seeds"]}
+    assert seeds == {("fp32", 0), ("fp32", 1), ("bf16", 0), ("bf16", 1)}
+    assert all(len(s["curve"]) == 3 for s in result["seeds"])  # evaluated at steps 10, 20, 30

@@ -37,6 +37,7 @@ from .perf import MIN_TIMED_STEPS
 from .precision import ScalerConfig
 from .safety import DebugConfig
 from .sharding import ParallelConfig
+from .study import StudyConfig
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's conf/ (pip install -e)
 _FREE_FORM = ("compile_options", "kwargs", "peak_tflops")  # dict fields with any keys
@@ -101,6 +102,7 @@ class TrainConfig:
     debug: DebugConfig = MISSING
     parallel: ParallelConfig = MISSING
     batch_search: BatchSearchConfig = MISSING
+    study: StudyConfig = MISSING  # a sweep of precisions x seeds matched at one loss (study.py)
     name: str = MISSING  # experiment name: W&B group and tag
     batch: Any = MISSING  # micro-batch per device: an int >= 1, or auto (the largest that trains)
     accum: int = MISSING  # micro-batches per optimizer step

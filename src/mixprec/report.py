@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import logging
 import time
 from pathlib import Path
@@ -206,20 +207,43 @@ def write(
             + " |\n"
             for g in pooled
         )
+    studied = out_dir / "study.json"
+    if studied.exists():  # a time-to-quality study of this sweep (study.py): its answer first
+        text = (out_dir / "study.md").read_text() + "\n" + text
     (out_dir / "report.md").write_text(text)
     with open(out_dir / "report.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows(table)
     files = [out_dir / "report.md", out_dir / "report.csv", *(draw(runs, out_dir) if plots else [])]
+    if studied.exists() and (out_dir / "study.png").exists():
+        files.append(out_dir / "study.png")
     if echo:
         print(console(table))
         print("wrote " + ", ".join(str(p) for p in files))
     if to_wandb if to_wandb is not None else wandb_sink.logged(run_dirs):
         wandb_sink.log_report(
-            COLUMNS, table, [p for p in files if p.suffix == ".png"], out_dir, run_dirs
+            COLUMNS,
+            table,
+            [p for p in files if p.suffix == ".png"],
+            out_dir,
+            run_dirs,
+            extra=study_tables(studied),
         )
     return {"table": table, "files": files}
+
+
+def study_tables(path: Path) -> dict:
+    """The study's rows as a W&B table, and its numbers as the report run's summary."""
+    if not path.exists():
+        return {}
+    result = json.loads(path.read_text())
+    cols = ["precision", "seeds", "rate_vs_ref", "steps_to", "speedup", "interval", "verdict"]
+    rows = [{**r, "interval": str(r["interval"])} for r in result["rows"]]
+    summary = {
+        f"study/{r['precision']}/speedup": r["speedup"] for r in result["rows"] if r["speedup"]
+    }
+    return {"study": (cols, rows), "summary": {**summary, "study/target": result["target"]}}
 
 
 def default_out(paths: list[Path]) -> Path:

@@ -116,3 +116,67 @@ def loss_scale_plot(run_dir: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def study_plot(result: dict, path: Path) -> Path:
+    """The time-to-quality study (study.py): val loss against training seconds and against
+    steps, the mean of each precision over its seeds with their range as a band, the target as
+    a dashed line; and each precision's seconds to the target with its interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    groups: dict[str, list] = {}
+    for s in result["seeds"]:
+        if not s.diverged and s.curve:
+            groups.setdefault(s.precision, []).append(s.curve)
+    for precision, curves in groups.items():
+        n = min(len(c) for c in curves)  # evaluations at the same steps in every seed
+        colour = COLOURS.get(precision, "tab:olive")
+        losses = [[c[i].loss for c in curves] for i in range(n)]
+        lo, hi = [min(v) for v in losses], [max(v) for v in losses]
+        mean = [sum(v) / len(v) for v in losses]
+        for ax, xs in (
+            (axes[0], [sum(c[i].train_s for c in curves) / len(curves) for i in range(n)]),
+            (axes[1], [curves[0][i].step for i in range(n)]),
+        ):
+            ax.plot(xs, mean, color=colour, label=f"{precision} ({len(curves)} seeds)")
+            ax.fill_between(xs, lo, hi, color=colour, alpha=0.2, linewidth=0)
+    for ax, xlabel in ((axes[0], "training seconds"), (axes[1], "optimizer steps")):
+        ax.axhline(result["target"], color="black", linestyle="--", linewidth=1, label="target")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("val loss")
+        ax.legend(fontsize=8)
+    rows = [r for r in result["rows"] if r.seconds_to]
+    names = [r.precision for r in rows]
+    means = [r.seconds_to[0] for r in rows]
+    ref = next((r.seconds_to[0] for r in rows if r.precision == result["reference"]), None)
+    # the reference: its seeds' std; the others: the speedup's interval as seconds (the
+    # reference's mean time over the interval's bounds)
+    err = [
+        [m - ref / r.interval[1], ref / r.interval[0] - m]
+        if r.interval and ref
+        else [r.seconds_to[1], r.seconds_to[1]]
+        for r, m in zip(rows, means)
+    ]
+    axes[2].barh(
+        names,
+        means,
+        xerr=list(zip(*err)) if err else None,
+        color=[COLOURS.get(n, "tab:olive") for n in names],
+        capsize=4,
+    )
+    axes[2].invert_yaxis()
+    axes[2].set_xlabel(f"training seconds to val loss {result['target']:.3f}")
+    axes[2].set_title(
+        f"{result['reference']}: ± std over seeds; others: {int(result['level'] * 100)} % "
+        "interval of the speedup, as seconds",
+        loc="left",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

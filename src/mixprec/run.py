@@ -210,6 +210,7 @@ class Session:
             c.name,
             tags,
             resume_step=self.state.step if own else None,
+            resume_evaluated=own and self.state.val_step == self.state.step,
         )
         return sinks.build(c.logger, ctx)
 

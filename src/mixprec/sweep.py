@@ -9,6 +9,7 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
+from . import study
 from .report import write
 from .report_runs import find_runs, read_run
 
@@ -64,6 +65,12 @@ class ReportCallback(Callback):
 
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        study_cfg = config.get("study") or {}
+        if study_cfg.get("reference") and sweep_dir.is_dir():
+            try:  # study.md/json/png first: the report carries the study's table
+                study.write(sweep_dir, study_cfg["reference"], study_cfg.get("target"))
+            except Exception as e:  # never turn a finished sweep into a failure
+                log.warning("study for %s failed: %s", sweep_dir, e)
         self._write(sweep_dir, to_wandb=None)
         failed = failures(sweep_dir)
         seen = {run for run, _, _ in failed}

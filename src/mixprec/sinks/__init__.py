@@ -34,6 +34,7 @@ class Context:
     experiment: str  # the experiment's name (W&B group, tag)
     tags: tuple[str, ...]  # precision, model, hardware, experiment
     resume_step: int | None  # continuing this run dir's own run from this step, else None
+    resume_evaluated: bool = False  # that checkpoint holds its step's evaluation (not re-run)
 
 
 @dataclass

@@ -24,7 +24,8 @@ class Sink:
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
         path = ctx.run_dir / "metrics.jsonl"
         if ctx.resume_step is not None and path.exists():
-            drop_rows_after(path, ctx.resume_step)  # a killed run logged past its checkpoint
+            # a killed run logged past its checkpoint
+            drop_rows_after(path, ctx.resume_step, ctx.resume_evaluated)
         self.metrics = open(path, "a", buffering=1)
 
     def log(self, row: dict[str, Any]) -> None:
@@ -63,10 +64,13 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def drop_rows_after(path: Path, step: int) -> None:
-    def keep(row: dict) -> bool:  # evaluation at the checkpoint's step runs again after resume
+def drop_rows_after(path: Path, step: int, evaluated: bool = False) -> None:
+    """Rows past the checkpoint's step go; at its step, an evaluation row goes too unless the
+    checkpoint holds that evaluation (then it is not run again after the resume)."""
+
+    def keep(row: dict) -> bool:
         return row.get("step", 0) < step or (
-            row.get("step") == step and not any(k.startswith("val/") for k in row)
+            row.get("step") == step and (evaluated or not any(k.startswith("val/") for k in row))
         )
 
     rows = [row for row in read_jsonl(path) if keep(row)]

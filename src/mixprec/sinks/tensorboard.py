@@ -41,7 +41,9 @@ class Sink:
             ) from None
         self.writer = SummaryWriter(
             log_dir=str(ctx.run_dir / "tensorboard"),
-            purge_step=ctx.resume_step,
+            # events from the checkpoint's step on are logged again (its evaluation too, unless
+            # the checkpoint holds it)
+            purge_step=None if ctx.resume_step is None else ctx.resume_step + ctx.resume_evaluated,
             flush_secs=cfg.flush_s,
         )
         self.writer.add_text("config", "```\n" + json.dumps(ctx.config, indent=1) + "\n```")

@@ -200,7 +200,12 @@ class Sink:
 
 
 def log_report(
-    columns: list[str], table: list[dict], images: list[Path], out_dir: Path, run_dirs: list[Path]
+    columns: list[str],
+    table: list[dict],
+    images: list[Path],
+    out_dir: Path,
+    run_dirs: list[Path],
+    extra: dict | None = None,
 ) -> None:
     """A sweep's report as one W&B run (job_type=report) in the project, entity, mode and group
     of its jobs, holding the table and the plots. Its id comes from the sweep dir, so a rebuilt
@@ -239,8 +244,14 @@ def log_report(
                     columns=columns, data=[[row[c] for c in columns] for row in table]
                 ),
                 **{p.stem: wandb.Image(str(p)) for p in images},
+                **{
+                    name: wandb.Table(columns=t[0], data=[[r[c] for c in t[0]] for r in t[1]])
+                    for name, t in (extra or {}).items()
+                    if name != "summary"
+                },
             }
         )
+        run.summary.update((extra or {}).get("summary", {}))
         run.finish()
     except Exception as e:  # the local report is what matters
         log.warning("report: W&B logging failed (%s); local files are written", e)
