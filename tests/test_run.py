@@ -169,3 +169,25 @@ def test_report_pools_seeds():
     assert pooled["precision=fp32"]["n"] == 3
     assert pooled["precision=fp32"]["val_acc1"] == pytest.approx((0.92, 0.02))
     assert pooled["precision=bf16"]["val_acc1"] == pytest.approx((0.9, 0.1))
+
+
+def test_an_in_process_sweeps_next_job_builds_without_the_last_jobs_model(cfg_factory, monkeypatch):
+    """A finished job's model and optimizer sit in reference cycles; the next job of the same
+    process must not build and train beside them (on a GPU their memory was in its peak)."""
+    import weakref
+
+    from mixprec import build
+
+    alive, made = [], []
+    real = build.build
+
+    def spy(*args, **kwargs):
+        alive.append([r() is not None for r in made])  # the earlier jobs' objects, as this builds
+        parts = real(*args, **kwargs)
+        made.extend([weakref.ref(parts.learner.model), weakref.ref(parts.learner.optimizer)])
+        return parts
+
+    monkeypatch.setattr(build, "build", spy)
+    for _ in range(2):
+        run.run(cfg_factory("trainer.max_steps=2"))
+    assert alive == [[], [False, False]]

@@ -498,7 +498,7 @@ def test_blocks_scope_compiles_in_place_and_trains_like_eager(cfg_factory, tmp_p
     assert keys[0] == keys[1]
     with pytest.raises(
         ConfigError,
-        match="compile_scope=blocks: model.name='mixprec_digits_mlp' has no repeated blocks",
+        match="compile_scope=blocks: mixprec_digits_mlp has no repeated blocks",
     ):
         run.run(
             cfg_factory(

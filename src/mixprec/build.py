@@ -193,6 +193,8 @@ def _flops_and_peak(model, data, hw, prec, device) -> tuple[int | None, float | 
         model, data.input_shape, data.num_classes, device, prec.autocast, names, data.task
     )
     total, owned = count(set(prec.owned()))
+    if not total:  # the counter could not count this model (perf.train_flops said why)
+        return None, None
     peak = prec.peak_tflops(hw.peak_tflops, owned / total if total else 0.0)
     if prec.kept and total:  # precision.keep_fp32: their FLOPs run at the fp32 (or TF32) peak
         kept_share = count(set(prec.kept))[1] / total

@@ -217,7 +217,17 @@ def train_flops(
     # the device as before (tests/test_precision.py: a forward that reads a value)
     except (NotImplementedError, RuntimeError, TypeError, ValueError, AssertionError) as err:
         log.debug("FLOP count on the meta device failed (%s); counting on %s", err, device)
-        counts = _flop_counts(plain, device, autocast, batch, task, input_shape, num_classes)
+        try:
+            counts = _flop_counts(plain, device, autocast, batch, task, input_shape, num_classes)
+        except (NotImplementedError, RuntimeError, TypeError, ValueError, AssertionError) as e:
+            log.warning(
+                "MFU is null: torch's FLOP counter cannot count %s (%s: %s); a model may state "
+                "its count as flops_per_token(seq_len) (docs/own-model.md)",
+                type(plain).__name__,
+                type(e).__name__,
+                str(e).splitlines()[0][:120] if str(e) else "",
+            )
+            return 0, 0
     prefix = len(type(plain).__name__) + 1  # counter keys: Class.name
     in_owned = sum(sum(ops.values()) for key, ops in counts.items() if key[prefix:] in owned)
     return sum(counts.get("Global", {}).values()) // batch, in_owned // batch

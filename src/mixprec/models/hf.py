@@ -13,12 +13,14 @@ optional extra: pip install -e '.[hf]'."""
 from __future__ import annotations
 
 import collections
+import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .parts import blocks_of
 
 INSTALL = "pip install -e '.[hf]' (or pip install transformers)"
 
@@ -33,37 +35,44 @@ def _transformers():
 
 def make_config(name: str, overrides: dict, task, num_classes: int, input_shape):
     """The transformers config: the named type (or the config.json file) with the overrides and
-    what the data decides (vocabulary or classes, sequence length or image size)."""
+    what the data decides (vocabulary or classes, sequence length or image size), all passed to
+    the config's constructor, so that fields derived from others (Llama's head_dim from
+    hidden_size / num_attention_heads) follow them."""
     tf = _transformers()
     try:
         if Path(name).expanduser().is_file() or name.endswith(".json"):
-            config = tf.AutoConfig.from_pretrained(str(Path(name).expanduser()))
+            fields = json.loads(Path(name).expanduser().read_text())
+            kind = fields.pop("model_type")
         else:
-            config = tf.AutoConfig.for_model(name)
-    except (ValueError, KeyError, OSError) as e:
+            fields, kind = {}, name
+        base = tf.AutoConfig.for_model(kind, **fields)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
         raise ConfigError(
             f"model.hf.config={name!r} is neither a transformers model type (e.g. llama, "
-            f"mistral, qwen2, gpt2, vit, ...) nor a readable config.json: "
-            f"{str(e).splitlines()[0][:200]}"
+            f"mistral, qwen2, gpt2, vit, ...) nor a readable config.json with a model_type: "
+            f"{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
         ) from None
-    for key, value in overrides.items():
-        if not hasattr(config, key):
-            raise ConfigError(
-                f"model.hf.overrides.{key}: {type(config).__name__} has no such field"
-            )
-        setattr(config, key, value)
-    config.use_cache = False
+    for key in overrides:
+        if not hasattr(base, key):
+            raise ConfigError(f"model.hf.overrides.{key}: {type(base).__name__} has no such field")
+    data = {"use_cache": False}
     if task.name == "lm":
-        config.vocab_size = num_classes
-        if hasattr(config, "max_position_embeddings"):
-            config.max_position_embeddings = max(config.max_position_embeddings, input_shape[0])
+        data["vocab_size"] = num_classes
+        if hasattr(base, "max_position_embeddings"):
+            data["max_position_embeddings"] = max(base.max_position_embeddings, input_shape[0])
     else:
-        config.num_labels = num_classes
-        if hasattr(config, "num_channels"):
-            config.num_channels = input_shape[0]
-        if hasattr(config, "image_size") and len(input_shape) == 3:
-            config.image_size = input_shape[1]
-    return config
+        data["num_labels"] = num_classes
+        if hasattr(base, "num_channels"):
+            data["num_channels"] = input_shape[0]
+        if hasattr(base, "image_size") and len(input_shape) == 3:
+            data["image_size"] = input_shape[1]
+    if (
+        task.name == "lm"
+        and "head_dim" in base.to_dict()
+        and "head_dim" not in {**fields, **overrides}
+    ):
+        data["head_dim"] = None  # derived again from the hidden size and the heads
+    return tf.AutoConfig.for_model(kind, **{**fields, **dict(overrides), **data})
 
 
 def build(name: str, overrides: dict, task, num_classes: int, input_shape) -> nn.Module:
@@ -117,6 +126,16 @@ class _Wrapped(nn.Module):
 class CausalLM(_Wrapped):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.hf(input_ids=tokens, use_cache=False).logits
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token, stated as mixprec's Llama states them (torch's counter
+        cannot count SDPA with grouped-query attention): 6 N for the N weights of the Linear
+        layers (the output head included, the embedding a lookup) and 12 L d T for attention's
+        scores and weighted values."""
+        n = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        config = self.hf.config
+        layers = getattr(config, "num_hidden_layers", None) or len(blocks_of(self))
+        return 6 * n + 12 * layers * config.hidden_size * seq_len
 
 
 class ImageClassifier(_Wrapped):
