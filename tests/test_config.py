@@ -31,6 +31,10 @@ def test_every_option_composes_and_validates(group, option):
         with pytest.raises(ConfigError, match=f"data.root=None is not allowed.*data={option}"):
             validate(compose_cfg([f"{group}={option}"]))
         cfg = compose_cfg([f"{group}={option}", "data.root=/some/dir"])
+    elif (group, option) == ("model", "own"):
+        with pytest.raises(ConfigError, match="no model chosen; set model.target"):
+            validate(compose_cfg(["model=own"]))
+        cfg = compose_cfg(["model=own", "model.target=mynets:Net"])
     elif (group, option) == ("data", "custom"):
         with pytest.raises(ConfigError, match="data.target=None is not allowed"):
             validate(compose_cfg(["data=custom"]))

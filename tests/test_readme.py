@@ -29,7 +29,7 @@ SHORT = [
 ]
 TIMED = ["trainer.max_steps=11", "hydra.sweeper.n_trials=2"]  # optuna's objective is samples/s
 GPU = re.compile(
-    r"experiment=(resnet50_synthetic|fast|seed_table|fp8_table|lm_table|optim_table)|"
+    r"experiment=(resnet50_synthetic|fast|seed_table|fp8_table|lm_table|optim_table|quality_lm|quality_llama_1b)|"
     r"needs_gpu=true|optimizer.offload=cpu|"
     r"model=llama_(1b|8b_slice)|"
     r"precision=fp8|batch=auto|"

@@ -132,6 +132,7 @@ def test_the_cpu_study_runs_end_to_end_through_train_py(tmp_path):
             "experiment=quality_cpu",
             "seed=0,1",
             "trainer.max_steps=30",
+            "study.budget=20",
             "logger=none",
             f"hydra.sweep.dir={tmp_path}",
         ]
@@ -148,3 +149,20 @@ def test_the_cpu_study_runs_end_to_end_through_train_py(tmp_path):
     seeds = {(s["precision"], s["seed"]) for s in result["seeds"]}
     assert seeds == {("fp32", 0), ("fp32", 1), ("bf16", 0), ("bf16", 1)}
     assert all(len(s["curve"]) == 3 for s in result["seeds"])  # evaluated at steps 10, 20, 30
+
+
+def test_a_budget_sets_the_target_at_the_references_step_and_leaves_the_rest_to_reach_it():
+    """With equal steps a precision a hair worse per step never reaches the reference's final
+    loss; with study.budget the target is the reference's (worst seed's) loss at that step, and
+    the longer runs have room to reach it."""
+    from mixprec.study import analyse, loss_at
+
+    bf16 = [seed("bf16", i, [3.0, 2.5, 2.0, 1.8]) for i in range(2)]
+    fp8 = [seed("fp8", i, [3.0, 2.6, 2.1, 1.9], secs_per_step=0.5) for i in range(2)]
+    assert loss_at(bf16[0].curve, 25) == pytest.approx(2.25)  # between steps 20 and 30
+    assert {r.precision: r.not_reached for r in analyse(bf16 + fp8, "bf16")["rows"]}["fp8"]
+    result = analyse(bf16 + fp8, "bf16", budget=30)
+    rows = {r.precision: r for r in result["rows"]}
+    assert result["target"] == 2.0 and not rows["fp8"].not_reached
+    assert rows["fp8"].steps_to == pytest.approx(35.0)  # halfway from 2.1 (step 30) to 1.9
+    assert rows["fp8"].speedup == pytest.approx(30.0 / 17.5)

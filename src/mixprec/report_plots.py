@@ -168,6 +168,12 @@ def study_plot(result: dict, path: Path) -> Path:
         color=[COLOURS.get(n, "tab:olive") for n in names],
         capsize=4,
     )
+    for i, r in enumerate(rows):  # a bar over fewer seeds than ran says so
+        reached = r.seeds - len(r.not_reached) - len(r.diverged)
+        if reached < r.seeds:
+            axes[2].annotate(
+                f" {reached} of {r.seeds} seeds reached it", (means[i], i), va="center"
+            )
     axes[2].invert_yaxis()
     axes[2].set_xlabel(f"training seconds to val loss {result['target']:.3f}")
     axes[2].set_title(

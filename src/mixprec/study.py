@@ -2,18 +2,21 @@
 `experiment=*_quality` presets) read back from its run dirs, each precision matched against a
 reference (bf16 by default) at one target validation loss.
 
-    python -m mixprec.study SWEEP_DIR [--reference bf16] [--target 1.7]
+    python -m mixprec.study SWEEP_DIR [--reference bf16] [--target 1.7 | --budget 200]
 
 For every seed: the training seconds (`time/train_s`: steps only, no evaluation, no checkpoint,
 the first step's compile left out) and the steps at which its validation loss first reaches the
 target, interpolated linearly between the two evaluations around the crossing (a curve that
 dips below and comes back counts from its first crossing). The target defaults to the highest
-final loss among the reference's seeds: the loss every reference seed reaches (its mean would
-leave about half of them short of it). Loss-matched speedup = the reference's time to target /
-this precision's, as a ratio of geometric means over seeds, with a 95 % Welch t interval on the
-log times. An interval that covers 1 is "no difference we can resolve". A seed that never
-reaches the target is "not reached" (with its best loss) and a diverged one is named; neither
-enters the ratio. Writes study.md, study.json and study.png into the sweep dir."""
+loss among the reference's seeds at `study.budget` steps (their last evaluation without one):
+the loss every reference seed reaches (its mean would leave about half of them short of it).
+Runs longer than the budget give the other precisions room to reach it when they learn less
+per step (with equal steps, a precision a hair worse per step never reaches the target).
+Loss-matched speedup = the reference's time to target / this precision's, as a ratio of
+geometric means over seeds, with a 95 % Welch t interval on the log times. An interval that
+covers 1 is "no difference we can resolve". A seed that never reaches the target is "not
+reached" (with its best loss) and a diverged one is named; neither enters the ratio. Writes
+study.md, study.json and study.png into the sweep dir."""
 
 from __future__ import annotations
 
@@ -38,13 +41,15 @@ class StudyConfig:
 
     reference: Optional[str] = MISSING  # the precision the others are matched against; null: off
     target: Optional[float] = MISSING  # the val loss to reach; null: every reference seed's
+    budget: Optional[int] = MISSING  # the reference's loss at this step is the target; null: last
 
     def __post_init__(self) -> None:
+        check(self.target is None or self.target > 0, "study.target", self.target, "null or > 0")
         check(
-            self.target is None or self.target > 0,
-            "study.target",
-            self.target,
-            "null or a val loss > 0",
+            self.budget is None or self.budget >= 1,
+            "study.budget",
+            self.budget,
+            "null (the last evaluation) or an optimizer step >= 1",
         )
 
 
@@ -132,19 +137,40 @@ def ratio_interval(ref: list[float], other: list[float]) -> tuple[float, tuple |
     return math.exp(d), (math.exp(d - half), math.exp(d + half))
 
 
-def default_target(seeds: list[Seed], reference: str) -> float:
-    finals = [s.final for s in seeds if s.precision == reference and not s.diverged and s.final]
-    if not finals:
+def loss_at(curve: list[Point], step: int) -> float | None:
+    """The val loss at `step`, linear between the evaluations around it (None past the end)."""
+    prev = None
+    for p in curve:
+        if p.step >= step:
+            if prev is None or p.step == step:
+                return p.loss
+            f = (step - prev.step) / (p.step - prev.step)
+            return prev.loss + f * (p.loss - prev.loss)
+        prev = p
+    return None
+
+
+def default_target(seeds: list[Seed], reference: str, budget: int | None = None) -> float:
+    """The loss every reference seed reaches: the highest of their losses at `budget` (their
+    last evaluation without one). With a budget below the runs' length, the other precisions
+    have the rest of their steps to reach what the reference reached in its budget."""
+    ref = [s for s in seeds if s.precision == reference and not s.diverged and s.curve]
+    at = [s.final if budget is None else loss_at(s.curve, budget) for s in ref]
+    at = [v for v in at if v is not None]
+    if not at:
         raise ConfigError(
             f"study.reference={reference!r}: no finished run of that precision in the sweep "
+            f"{'reached step ' + str(budget) + ' ' if budget else ''}"
             f"(precisions: {', '.join(sorted({s.precision for s in seeds}))})"
         )
-    return max(finals)
+    return max(at)
 
 
-def analyse(seeds: list[Seed], reference: str, target: float | None = None) -> dict:
+def analyse(
+    seeds: list[Seed], reference: str, target: float | None = None, budget: int | None = None
+) -> dict:
     """The study's answer: the target, one Row per precision (the reference first)."""
-    target = default_target(seeds, reference) if target is None else target
+    target = default_target(seeds, reference, budget) if target is None else target
     for s in seeds:
         hit = None if s.diverged else crossing(s.curve, target)
         s.steps_to, s.seconds_to = hit if hit else (None, None)
@@ -154,7 +180,14 @@ def analyse(seeds: list[Seed], reference: str, target: float | None = None) -> d
     ref_times = [s.seconds_to for s in groups.get(reference, []) if s.seconds_to]
     ref_rate = mean_std([s.rate for s in groups.get(reference, []) if s.rate])
     rows = [_row(p, g, ref_times, ref_rate, reference) for p, g in groups.items()]
-    return {"reference": reference, "target": target, "level": LEVEL, "rows": rows, "seeds": seeds}
+    return {
+        "reference": reference,
+        "target": target,
+        "budget": budget,
+        "level": LEVEL,
+        "rows": rows,
+        "seeds": seeds,
+    }
 
 
 def _row(precision: str, group: list[Seed], ref_times, ref_rate, reference: str) -> Row:
@@ -253,9 +286,10 @@ def _pm(v: tuple | None, fmt: str = "{:.4f}") -> str:
 
 
 def markdown(result: dict) -> str:
-    ref, target = result["reference"], result["target"]
+    ref, target, budget = result["reference"], result["target"], result.get("budget")
+    where = f"its seeds' worst at step {budget}" if budget else "its seeds' worst final"
     out = [
-        f"## Time to the same quality (reference {ref}, target val loss {target:.4f})\n",
+        f"## Time to the same quality (reference {ref}, target val loss {target:.4f}: {where})\n",
         "Training seconds to the target (steps only: evaluation, checkpoints and the first "
         "step's compile left out), interpolated between evaluations; speedup = the "
         f"reference's time / this one's, geometric means over seeds, {LEVEL:.0%} Welch t "
@@ -280,12 +314,14 @@ def markdown(result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def write(sweep_dir: Path, reference: str = "bf16", target: float | None = None) -> dict:
+def write(
+    sweep_dir: Path, reference: str = "bf16", target: float | None = None, budget: int | None = None
+) -> dict:
     """study.md, study.json and study.png in the sweep dir; returns the result."""
     seeds = read_seeds(sweep_dir)
     if not seeds:
         raise ConfigError(f"{sweep_dir}: no run dirs (with .hydra/) in it to study")
-    result = analyse(seeds, reference, target)
+    result = analyse(seeds, reference, target, budget)
     (sweep_dir / "study.md").write_text(markdown(result))
     plain = {**result, "rows": [asdict(r) for r in result["rows"]]}
     plain["seeds"] = [{**asdict(s), "curve": [asdict(p) for p in s.curve]} for s in seeds]
@@ -301,11 +337,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("sweep", type=Path, help="the sweep dir of precisions x seeds")
     ap.add_argument("--reference", default="bf16", help="the precision matched against (bf16)")
     ap.add_argument("--target", type=float, default=None, help="val loss (default: see above)")
+    ap.add_argument("--budget", type=int, default=None, help="the reference's step for the target")
     a = ap.parse_args(argv)
     if not a.sweep.is_dir():
         raise SystemExit(f"not a directory: {a.sweep}")
     try:
-        result = write(a.sweep, a.reference, a.target)
+        result = write(a.sweep, a.reference, a.target, a.budget)
     except ConfigError as e:
         print(f"config error: {e}")
         raise SystemExit(2) from None

@@ -68,7 +68,12 @@ class ReportCallback(Callback):
         study_cfg = config.get("study") or {}
         if study_cfg.get("reference") and sweep_dir.is_dir():
             try:  # study.md/json/png first: the report carries the study's table
-                study.write(sweep_dir, study_cfg["reference"], study_cfg.get("target"))
+                study.write(
+                    sweep_dir,
+                    study_cfg["reference"],
+                    study_cfg.get("target"),
+                    study_cfg.get("budget"),
+                )
             except Exception as e:  # never turn a finished sweep into a failure
                 log.warning("study for %s failed: %s", sweep_dir, e)
         self._write(sweep_dir, to_wandb=None)

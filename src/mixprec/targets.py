@@ -72,7 +72,13 @@ def call(key: str, target: str, fn: Callable, kwargs: dict, facts: dict) -> Any:
     try:
         return fn(**kwargs, **given)
     except TypeError as e:
+        group = key.split(".")[0]
+        hint = (
+            f"; kwargs the chosen {group} option set stay with {key}: start from {group}=own"
+            if kwargs and group == "model"
+            else ""
+        )
         raise ConfigError(
             f"{key}={target!r} with kwargs {dict(kwargs)}: {str(e).splitlines()[0][:200]} "
-            f"(mixprec passes, where the signature names them: {', '.join(facts)})"
+            f"(mixprec passes, where the signature names them: {', '.join(facts)}){hint}"
         ) from None

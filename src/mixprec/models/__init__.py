@@ -70,7 +70,11 @@ class ModelConfig:
         if self.target is not None:
             targets.check_target("model.target", self.target)
         elif self.hf.config is None:
-            check(self.name is not None, "model.name", None, "a timm model name")
+            if self.name is None:
+                raise ConfigError(
+                    "model: no model chosen; set model.target=package.module:callable (your "
+                    "own: model=own), model.hf.config (model=hf) or model.name (a timm model)"
+                )
             check_name(self.name)
         one_of("model.compile_mode", self.compile_mode, COMPILE_MODES)
         one_of("model.compile_scope", self.compile_scope, COMPILE_SCOPES)
