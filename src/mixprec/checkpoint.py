@@ -120,9 +120,29 @@ def find(resume: str, run_dir: Path) -> Path | None:
 
 def latest(directory: Path) -> Path | None:
     """A checkpoints dir's last.pt or last.dcp (ckpt.sharded), whichever was written last;
-    None if neither."""
-    there = [p for p in (directory / "last.pt", directory / checkpoint_dcp.LAST) if p.exists()]
-    return max(there, key=lambda p: p.stat().st_mtime_ns, default=None)
+    without either (a kill between a rewrite's two renames, or last.pt deleted), the newest
+    whole checkpoint there is; None if there is none."""
+    last = [directory / "last.pt", directory / checkpoint_dcp.LAST]
+    there = [p for p in last if p.is_file() or checkpoint_dcp.is_dcp(p)]
+    if there:
+        return max(there, key=lambda p: p.stat().st_mtime_ns)
+    whole = [p for p in directory.glob("step_*.pt") if p.is_file()]
+    whole += [p for p in directory.glob("*step_*.dcp*") if checkpoint_dcp.is_dcp(p)]
+    if whole:
+        newest = max(whole, key=lambda p: (checkpoint_dcp.step_of(p), p.stat().st_mtime_ns))
+        log.warning(
+            "%s: no last.pt / last.dcp; resuming from %s, the newest whole one", directory, newest
+        )
+        return newest
+    return None
+
+
+def leftovers(directory: Path) -> list[str]:
+    """What a checkpoints dir holds that looks like a checkpoint (for a resume that found no
+    whole one: refused, not started over)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p.name for p in directory.iterdir() if "step_" in p.name or "last" in p.name)
 
 
 def load(path: Path) -> dict[str, Any]:

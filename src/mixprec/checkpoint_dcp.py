@@ -29,7 +29,15 @@ LAST = "last" + SUFFIX
 
 
 def is_dcp(path: Path) -> bool:
-    return path.name.endswith(SUFFIX) and (path / META).is_file()
+    """A DCP checkpoint directory: its meta.pt is written last, so one that has it is whole
+    (step_N.dcp, or a .partial / .stale one that a kill left between two renames)."""
+    return path.is_dir() and (path / META).is_file() and (path / ".metadata").is_file()
+
+
+def step_of(path: Path) -> int:
+    """N of step_N.pt, step_N.dcp, .step_N.dcp.partial (-1 where the name holds no step)."""
+    digits = path.name.lstrip(".").split("_", 1)[-1].split(".", 1)[0]
+    return int(digits) if digits.isdigit() else -1
 
 
 def write(directory: Path, learner, meta: dict, step: int, keep: int) -> Path:
@@ -48,13 +56,17 @@ def write(directory: Path, learner, meta: dict, step: int, keep: int) -> Path:
         dcp.save(_states(learner), checkpoint_id=str(partial))  # returns once .metadata is out
     if main:
         files.write_atomic(partial / META, lambda f: torch.save(meta, f))
-        shutil.rmtree(final, ignore_errors=True)  # the same step written again after a resume
+        stale = directory / f".{final.name}.stale"
+        if final.exists():  # the same step written again after a resume: moved aside first,
+            shutil.rmtree(stale, ignore_errors=True)  # so that a whole copy is there at every
+            os.replace(final, stale)  # moment (checkpoint.latest falls back to it)
         os.replace(partial, final)
         tmp = directory / f".{LAST}.{os.getpid()}.tmp"
         tmp.unlink(missing_ok=True)
         os.symlink(final.name, tmp)
         os.replace(tmp, directory / LAST)
         files.sync_dir(directory)
+        shutil.rmtree(stale, ignore_errors=True)
         for old in sorted(directory.glob(f"step_*{SUFFIX}"))[:-keep]:
             shutil.rmtree(old)
     _barrier()

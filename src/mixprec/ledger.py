@@ -71,7 +71,7 @@ class StepLedger:
             leave=False,
         )
         self.started = time.perf_counter()
-        self.evaluate: Callable[[], dict] = lambda: {}  # loop.train sets it: the val metrics
+        self.evaluate: Callable = lambda stop: {}  # loop.train sets it: the val metrics
         if learner.bn_guard.enabled:
             log.info(
                 "scaler.guard_bn_stats: %d BatchNorm running-stat tensors are put back after "
@@ -193,14 +193,27 @@ class StepLedger:
             )
 
     def validate(self) -> None:
-        """Evaluate on the validation set and log it, once per step."""
-        st = self.state
+        """Evaluate on the validation set and log it, once per step. A stop signal during it
+        checkpoints the last step and stops: alone, the evaluation ends at its next batch;
+        in a world of several (whose ranks must finish it together) the grace waits for it."""
+        st, stop = self.state, self.hooks.stop
         if st.val_step == st.step and st.val:
             return
-        with self.hooks.meter.paused():
-            st.val = self.evaluate()
-        st.val_step = st.step
-        self.log_evaluation()
+        alone = self.hooks.dist.world == 1
+        with self.hooks.meter.paused(), stop.holding():
+            val = self.evaluate((lambda: bool(stop.received)) if alone else (lambda: False))
+        if val is not None:
+            st.val, st.val_step = val, st.step
+            self.log_evaluation()
+        signum = stop.received if alone else self._agreed_stop()
+        if signum:
+            stop.acknowledge()
+            raise Preempted(signum, checkpointed=self._save())
+
+    def _agreed_stop(self) -> int:
+        """The stop signal any rank received (a collective: every rank evaluates here)."""
+        received = torch.tensor(self.hooks.stop.received or 0, device=self.hooks.meter.device)
+        return int(self.hooks.dist.reduce(received, "max"))
 
     def _stop_signal(self) -> int:
         """The stop signal every rank agrees on: checked each step alone, every log_every

@@ -135,15 +135,22 @@ def train_step(
 
 @torch.no_grad()
 def evaluate(
-    learner: Learner, batches: Iterable, reduce: Callable = lambda t, op="sum": t
-) -> dict[str, float]:
+    learner: Learner,
+    batches: Iterable,
+    reduce: Callable = lambda t, op="sum": t,
+    stop: Callable[[], bool] = lambda: False,
+) -> dict[str, float] | None:
     """{"val/loss": mean loss, "val/acc1": top-1, ...}: the learner's loss and its task's
     validation metrics (metrics.py), over the whole validation set (summed over ranks), mean
-    per target (an image's label, a sequence's tokens)."""
+    per target (an image's label, a sequence's tokens). None if `stop()` says so before a
+    batch (a stop signal: the weights are the last step's, whole, and can be checkpointed)."""
     model, extra = learner.model, learner.task.evaluated()
     model.eval()
     sums = None
     for x, y in batches:
+        if stop():
+            model.train()
+            return None
         with learner.precision.autocast():
             logits = model(x)
         batch = [
@@ -162,7 +169,9 @@ def train(learner: Learner, data, state: TrainState, plan: Plan, hooks: Hooks) -
     """Train until plan.total_steps optimizer steps are taken or plan.epochs are done,
     evaluating every plan.val_every steps, after every epoch and after the last step."""
     ledger = StepLedger(learner, state, plan, hooks)
-    ledger.evaluate = lambda: evaluate(learner, data.val, hooks.dist.reduce)
+    ledger.evaluate = lambda stop: evaluate(learner, data.val, hooks.dist.reduce, stop)
+    if plan.val_every and state.step and state.step % plan.val_every == 0:
+        ledger.validate()  # a resume from a stop during this step's evaluation: it runs now
     for epoch in range(state.epoch, plan.epochs):
         for micro_batches in ledger.batches(data.train, epoch):
             logged = ledger.wants_grad_norm()

@@ -137,8 +137,15 @@ class Session:
 
     def train(self) -> dict:
         p = self.p
+        done = self._completed_without_checkpoint()
+        if done is not None:
+            return done
         blob = self._resume()
-        if blob is not None and self.state.step >= p.plan.total_steps:
+        st = self.state
+        # (a stop during the final evaluation: the last step is checkpointed, its evaluation
+        # runs on resume; a checkpoint of before val_step was kept has val and step -1)
+        evaluated = st.val_step == st.step or (st.val_step == -1 and bool(st.val))
+        if blob is not None and st.step >= p.plan.total_steps and evaluated:
             return self._already_done()
         self.accept()  # from here on the run dir is this run's: .hydra/, train.log
         self.tracker = Tracker(self._sinks(blob) if p.dist.main else [], self.clock)
@@ -166,6 +173,13 @@ class Session:
         p, c = self.p, self.p.config
         found = checkpoint.find(c.resume, p.run_dir) if c.resume else None
         if c.resume == "auto" and found is None:
+            left = checkpoint.leftovers(self.ckpt.parent)
+            if left:  # a run was here: never start it over silently
+                raise CheckpointError(
+                    f"resume=auto: {self.ckpt.parent} holds {', '.join(left[:4])} but no whole "
+                    "checkpoint to continue from; nothing was changed. Resume from one of them "
+                    "(resume=PATH), or start the run over with overwrite=true"
+                )
             log.info(
                 "resume=auto: no checkpoint in %s yet; starting from scratch", self.ckpt.parent
             )
@@ -195,6 +209,31 @@ class Session:
             self.state.batch_in_epoch,
         )
         return blob
+
+    def _completed_without_checkpoint(self) -> dict | None:
+        """resume=auto of a run whose summary says completed and that left no checkpoint
+        (ckpt.at_end=false: the table presets): its summary is the proof that it finished, so
+        there is nothing to do (training it again from scratch would replace its results)."""
+        p = self.p
+        path = p.run_dir / "summary.json"
+        if p.config.resume != "auto" or not path.exists():
+            return None
+        if checkpoint.latest(self.ckpt.parent) or checkpoint.leftovers(self.ckpt.parent):
+            return None  # a checkpoint to continue from (or to refuse over): _resume's
+        try:
+            done = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(done, dict) or done.get("status") != "completed":
+            return None
+        log.info(
+            "resume=auto: %s says this run completed (step %s) and it kept no checkpoint "
+            "(ckpt.at_end=false); nothing to do",
+            path,
+            done.get("steps"),
+        )
+        p.data.close()
+        return done
 
     def _already_done(self) -> dict:
         path = self.p.run_dir / "summary.json"

@@ -82,6 +82,26 @@ class RunDirLock:
             self.fd = None
 
 
+def _unlink_if_free(lock: Path) -> bool:
+    """Remove a lock file no live process holds (and say whether it is gone). A refused run
+    must not remove a live run's lock: that run may still be building, with nothing but its
+    lock in the dir, and a third run would then take the dir beside it."""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    try:
+        lock.unlink(missing_ok=True)  # while holding it: no one takes it between the two
+    finally:
+        os.close(fd)
+    return True
+
+
 def _read_holder(fd: int) -> str:
     try:
         info = json.loads(os.pread(fd, 4096, 0) or b"{}")
@@ -97,7 +117,8 @@ def holds_a_run(run_dir: Path) -> bool:
 def prepare(run_dir: Path, resume: str | None, overwrite: bool) -> None:
     """Apply the rule for a run dir that already holds a run (call with the lock held):
     resume=auto continues it; a new run (resume=null, or from another run's checkpoint) needs
-    an empty run dir or overwrite=true."""
+    an empty run dir or overwrite=true. What dead writers left half-written goes first."""
+    clean_stale(run_dir)
     if not holds_a_run(run_dir) or resume == "auto":
         return
     if overwrite and resume and _inside(Path(resume).expanduser(), run_dir):
@@ -114,6 +135,37 @@ def prepare(run_dir: Path, resume: str | None, overwrite: bool) -> None:
         )
     remove_run(run_dir)
     log.warning("overwrite=true: removed the previous run's files from %s", run_dir)
+
+
+def clean_stale(run_dir: Path) -> None:
+    """With the lock held: remove the temp files of writers that are no longer alive
+    (files.write_atomic's `.NAME.PID.tmp`: a SIGKILL mid-write leaves one of a checkpoint's
+    full size) and sharded checkpoints whose write never finished (`.step_N.dcp.partial`
+    without its meta.pt)."""
+    from .checkpoint_dcp import is_dcp
+
+    for folder in (run_dir, run_dir / "checkpoints", run_dir / ".hydra"):
+        if not folder.is_dir():
+            continue
+        for tmp in folder.glob(".*.tmp"):
+            pid = tmp.name.rsplit(".", 2)[-2]
+            if pid.isdigit() and not _alive(int(pid)):
+                tmp.unlink(missing_ok=True)
+                log.info("removed %s, left by a writer that is gone (pid %s)", tmp, pid)
+        for partial in folder.glob(".step_*.dcp.partial"):
+            if not is_dcp(partial):
+                shutil.rmtree(partial, ignore_errors=True)
+                log.info("removed %s, a sharded checkpoint whose write never finished", partial)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def remove_run(run_dir: Path) -> None:
@@ -207,6 +259,8 @@ class Journal:
             self.file.close()
         elif run_dir is not None and run_dir != Path(".") and run_dir.is_dir():
             left = {p.name for p in run_dir.iterdir()}
-            if left <= {".lock"}:  # made for this run alone (its released lock at most)
-                (run_dir / ".lock").unlink(missing_ok=True)
-                run_dir.rmdir()
+            if left <= {".lock"} and _unlink_if_free(run_dir / ".lock"):  # made for this run
+                try:
+                    run_dir.rmdir()
+                except OSError:  # another run started writing into it meanwhile
+                    pass

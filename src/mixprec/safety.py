@@ -11,6 +11,7 @@ import socket
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -108,6 +109,8 @@ class StopSignals:
         self._acked = threading.Event()
         self._wake: tuple[socket.socket, socket.socket] | None = None
         self._old_fd = -1
+        self._held = 0  # inside holding(): an evaluation
+        self._expired: tuple[int, str] | None = None  # a grace that ran out while held
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
@@ -144,16 +147,12 @@ class StopSignals:
                         continue
                     self._force(signum, "a second signal")
                 first = (signum, now)
-                grace = threading.Timer(
-                    self.grace_s,
-                    self._force_unless_acked,
-                    (signum, f"no step boundary within {self.grace_s:g} s"),
-                )
-                grace.daemon = True
-                grace.start()
+                self._start_grace(signum, f"no step boundary within {self.grace_s:g} s")
 
     def _force_unless_acked(self, signum: int, why: str) -> None:
-        if not self._acked.is_set():
+        if self._held:  # an evaluation: the loop stops right after it
+            self._expired = (signum, why)
+        elif not self._acked.is_set():
             self._force(signum, why)
 
     def _force(self, signum: int, why: str) -> None:
@@ -168,6 +167,24 @@ class StopSignals:
             self.on_forced(signum)
         finally:
             os._exit(128 + signum)
+
+    @contextmanager
+    def holding(self):
+        """The grace does not run out inside the block (an evaluation: the loop acts on the
+        signal right after it); a grace that ended meanwhile starts again when it ends."""
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+            expired, self._expired = self._expired, None
+            if expired is not None and not self._acked.is_set():
+                self._start_grace(*expired)
+
+    def _start_grace(self, signum: int, why: str) -> None:
+        grace = threading.Timer(self.grace_s, self._force_unless_acked, (signum, why))
+        grace.daemon = True
+        grace.start()
 
     def acknowledge(self) -> None:
         """The loop reached a boundary and is stopping in order: the grace no longer applies."""

@@ -62,3 +62,34 @@ def bad_labels(n: int = 64) -> dict:
 def no_val() -> dict:
     x, y = torch.randn(8, 1, 8, 8), torch.zeros(8, dtype=torch.long)
     return {"train": TensorDataset(x, y), "num_classes": 2}
+
+
+class SlowVal(Dataset):
+    """Validation images that take `delay` seconds each; item `mark_at` creates `marker` (the
+    evaluation is under way: tests/test_hostile.py signals the run then)."""
+
+    def __init__(self, n: int, delay: float, marker: str, mark_at: int) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y = (
+            torch.randn(n, 1, 8, 8, generator=g),
+            torch.randint(0, 4, (n,), generator=g),
+        )
+        self.delay, self.marker, self.mark_at = delay, marker, mark_at
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        import pathlib
+        import time
+
+        if i == self.mark_at:
+            pathlib.Path(self.marker).touch()
+        time.sleep(self.delay)
+        return self.x[i], self.y[i]
+
+
+def slow_val(marker: str, n_val: int = 64, delay: float = 0.1) -> dict:
+    data = blobs(n=256)
+    data["val"] = SlowVal(n_val, delay, marker, mark_at=16)
+    return data

@@ -1,0 +1,168 @@
+"""What a hostile round found (issue 43), each as a user or a scheduler meets it: a refused run
+must not delete a live run's lock; a resume uses the newest whole checkpoint there is or
+refuses, never starts over a run's dir; a finished run is not trained again; a stop during an
+evaluation checkpoints; dead writers' temp files go; clear errors for the rest."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mixprec import checkpoint, run, rundir
+from mixprec.errors import CheckpointError
+
+from conftest import ROOT, finish, last_weights, run_train, start_session
+
+PLUGINS = ROOT / "tests" / "plugins"
+SMALL = ["hardware=cpu", "logger=none", "trainer.log_every=2", "trainer.perf_warmup_steps=0"]
+CONST = [*SMALL, "scheduler=constant", "batch=32"]  # a constant lr: a run cut short resumes exact
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_refused_run_leaves_a_live_runs_lock_and_dir(tmp_path):
+    """The first run is still building (its dir holds its lock alone); a second one is refused
+    (exit 6) and must leave that lock, or a third would take the dir beside the first."""
+    live = tmp_path / "live"
+    with rundir.RunDirLock(live):
+        inode = (live / ".lock").stat().st_ino
+        p = run_train([*SMALL, "resume=auto", f"hydra.run.dir={live}"])
+        assert p.returncode == 6, (p.stdout + p.stderr)[-2000:]
+        assert (live / ".lock").stat().st_ino == inode  # the same lock file, still there
+        third = run_train([*SMALL, "resume=auto", f"hydra.run.dir={live}"])
+        assert third.returncode == 6 and "is in use by pid" in third.stdout + third.stderr
+    # once no one holds it, a refused run (a config error) still leaves no trace of itself
+    refused = tmp_path / "refused"
+    bad = run_train([*SMALL, "batch=0", f"hydra.run.dir={refused}"])
+    assert bad.returncode == 2 and not refused.exists()
+
+
+def test_resume_auto_without_last_pt_continues_from_the_newest_whole_step(
+    tmp_path, cfg_factory, caplog
+):
+    ref = tmp_path / "ref"
+    run.run(cfg_factory(*CONST, "trainer.max_steps=6", f"run_dir={ref}"))
+    cut = tmp_path / "cut"
+    keep = ["ckpt.every_steps=2", "ckpt.keep=3"]
+    run.run(cfg_factory(*CONST, *keep, "trainer.max_steps=4", f"run_dir={cut}"))
+    (cut / "checkpoints" / "last.pt").unlink()  # step_2 and step_4 remain
+    before = [r for r in rows(cut) if r["step"] <= 4]
+    with caplog.at_level("WARNING"):
+        s = run.run(
+            cfg_factory(*CONST, *keep, "trainer.max_steps=6", "resume=auto", f"run_dir={cut}")
+        )
+    assert s["status"] == "completed" and "resuming from" in caplog.text
+    assert "step_00000004.pt, the newest whole one" in caplog.text
+    assert [r for r in rows(cut) if r["step"] <= 4] == before  # its rows kept, not started over
+    a, b = last_weights(ref), last_weights(cut)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_that_finds_no_whole_checkpoint_refuses_and_changes_nothing(cfg_factory):
+    cfg = cfg_factory(*CONST, "trainer.max_steps=4", "ckpt.sharded=false")
+    run.run(cfg)
+    d = Path(cfg.run_dir)
+    ckpts = d / "checkpoints"
+    for p in ckpts.iterdir():
+        p.unlink()
+    os.symlink("step_00000004.dcp", ckpts / "last.dcp")  # dangling: the rewrite's window
+    before = {n: (d / n).read_bytes() for n in ("metrics.jsonl", "summary.json")}
+    with pytest.raises(CheckpointError, match="holds last.dcp but no whole checkpoint"):
+        run.run(cfg_factory(*CONST, "trainer.max_steps=8", "resume=auto", f"run_dir={d}"))
+    assert {n: (d / n).read_bytes() for n in before} == before
+
+
+def fake_dcp(path: Path, step: int) -> None:
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"x")
+    torch.save({"step": step}, path / "meta.pt")
+
+
+def test_a_sharded_rewrite_cut_between_its_renames_still_has_a_whole_checkpoint(tmp_path):
+    """checkpoint_dcp.write moves the old step_N.dcp aside before renaming the new one in: at
+    every moment a whole copy is there, and latest() finds it without last.dcp."""
+    d = tmp_path / "checkpoints"
+    fake_dcp(d / "step_00000002.dcp", 2)
+    fake_dcp(d / ".step_00000004.dcp.stale", 4)  # moved aside, the new one not yet renamed
+    (d / ".step_00000004.dcp.partial").mkdir()  # an unfinished write: no meta.pt
+    os.symlink("step_00000004.dcp", d / "last.dcp")
+    assert checkpoint.latest(d) == d / ".step_00000004.dcp.stale"
+    rundir.clean_stale(tmp_path)
+    assert not (d / ".step_00000004.dcp.partial").exists()  # cleaned once the lock is taken
+    assert (d / ".step_00000004.dcp.stale").exists()
+
+
+def test_resume_auto_on_a_finished_run_without_a_checkpoint_does_nothing(tmp_path):
+    """ckpt.at_end=false (the table presets): its completed summary is the proof it finished."""
+    d = tmp_path / "done"
+    args = [*SMALL, "trainer.max_steps=4", "ckpt.at_end=false", f"hydra.run.dir={d}"]
+    assert run_train(args).returncode == 0
+    before = {n: (d / n).read_bytes() for n in ("metrics.jsonl", "summary.json")}
+    again = run_train([*args, "resume=auto"])
+    assert again.returncode == 0 and "nothing to do" in again.stdout + again.stderr
+    assert {n: (d / n).read_bytes() for n in before} == before
+
+
+def test_a_stop_during_a_long_evaluation_checkpoints_the_last_step(tmp_path):
+    """The grace (1 s) runs out long before the evaluation (about 6 s) would end: the run stops
+    at the evaluation's next batch with the step it evaluated checkpointed, and resumes."""
+    d, marker = tmp_path / "run", tmp_path / "evaluating"
+    args = [
+        *SMALL,
+        "model.target=own_models:TinyConvNet",
+        f"model.path={PLUGINS}",
+        "data=custom",
+        f"data.path={PLUGINS}",
+        "data.target=own_data:slow_val",
+        f"+data.kwargs.marker={marker}",
+        "batch=16",
+        "trainer.val_every=4",
+        "trainer.max_steps=8",
+        "trainer.stop_grace_s=1",
+        f"hydra.run.dir={d}",
+    ]
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    proc = start_session([sys.executable, str(ROOT / "train.py"), *args], ROOT, env, merge=True)
+    deadline = time.time() + 120
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), finish(proc, 30)[0][-3000:]
+    os.killpg(proc.pid, signal.SIGTERM)
+    out = finish(proc, 120)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "without a checkpoint" not in out
+    summary = json.loads((d / "summary.json").read_text())
+    state = torch.load(d / "checkpoints" / "last.pt", weights_only=True)["state"]
+    assert summary["status"] == "preempted" and state["step"] == 4
+    marker.unlink()
+    done = run_train([*args, "resume=auto"])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
+    assert [r["step"] for r in rows(d) if "val/loss" in r] == [4, 8]
+
+
+def test_temp_files_of_dead_writers_are_removed_when_the_lock_is_taken(cfg_factory):
+    cfg = cfg_factory("trainer.max_steps=2")
+    run.run(cfg)
+    d = Path(cfg.run_dir)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs
+    junk = [
+        d / "checkpoints" / f".step_00000002.pt.{dead.pid}.tmp",
+        d / f".summary.json.{dead.pid}.tmp",
+    ]
+    for j in junk:
+        j.write_bytes(b"\0" * 1000)
+    mine = d / "checkpoints" / f".step_00000002.pt.{os.getppid()}.tmp"  # a live writer's
+    mine.write_bytes(b"\0")
+    run.run(cfg_factory("trainer.max_steps=2", "overwrite=true", f"run_dir={d}"))
+    assert not any(j.exists() for j in junk) and mine.exists()
