@@ -166,3 +166,106 @@ def test_temp_files_of_dead_writers_are_removed_when_the_lock_is_taken(cfg_facto
     mine.write_bytes(b"\0")
     run.run(cfg_factory("trainer.max_steps=2", "overwrite=true", f"run_dir={d}"))
     assert not any(j.exists() for j in junk) and mine.exists()
+
+
+def test_low_bit_state_checkpoints_export_and_name_the_setting_in_a_fresh_process(tmp_path):
+    """A fresh process has not imported torchao, whose classes torch.load then refused: the
+    export said "corrupted", and a resume into fp32 state did not name optimizer.state."""
+    d = tmp_path / "8bit"
+    args = [*SMALL, "optimizer.state=8bit", "trainer.max_steps=3", f"hydra.run.dir={d}"]
+    assert run_train(args).returncode == 0
+    exported = subprocess.run(
+        [sys.executable, "-m", "mixprec.export", str(d), "--out", str(tmp_path / "new" / "w.pt")],
+        capture_output=True,
+        text=True,
+    )
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert torch.load(tmp_path / "new" / "w.pt", weights_only=True)  # into a folder made for it
+    other = run_train(
+        [*SMALL, "trainer.max_steps=6", f"resume={d}", f"hydra.run.dir={tmp_path / 'o'}"]
+    )
+    assert other.returncode == 5 and "optimizer.state=8bit; this run has optimizer.state=fp32" in (
+        other.stdout + other.stderr
+    )
+
+
+def test_token_files_that_cannot_be_read_are_named(tmp_path, cfg_factory):
+    from mixprec.errors import ConfigError
+
+    root = tmp_path / "tok"
+    root.mkdir()
+    import numpy as np
+
+    ids = np.arange(4096, dtype=np.uint32) % 200
+    ids.tofile(root / "train.bin")  # uint32 ids read as uint16: each second one 0
+    ids[:512].tofile(root / "val.bin")
+    base = [
+        "model=llama_tiny",
+        "data=tokens",
+        f"data.root={root}",
+        "data.vocab_size=256",
+        "data.seq_len=16",
+    ]
+    with pytest.raises(ConfigError, match="looks like uint32 token ids.*data.dtype=uint32"):
+        run.run(cfg_factory(*base))
+    (root / "val.bin").unlink()
+    (root / "val.bin").mkdir()
+    with pytest.raises(ConfigError, match="val.bin is a directory"):
+        run.run(cfg_factory(*base, "data.dtype=uint32"))
+    (root / "val.bin").rmdir()
+    (root / "val.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match="val.bin is empty"):
+        run.run(cfg_factory(*base, "data.dtype=uint32"))
+    (root / "val.bin").unlink()
+    os.symlink("val.bin", root / "val.bin")  # a loop
+    with pytest.raises(ConfigError, match="val.bin is a link that leads nowhere"):
+        run.run(cfg_factory(*base, "data.dtype=uint32"))
+    (root / "val.bin").unlink()
+    os.mkfifo(root / "val.bin")
+    with pytest.raises(ConfigError, match="val.bin is not a regular file"):
+        run.run(cfg_factory(*base, "data.dtype=uint32"))
+
+
+def test_a_text_split_too_short_to_validate_is_refused_before_training(cfg_factory):
+    from mixprec.errors import ConfigError
+
+    cfg = cfg_factory("model=llama_tiny", "data=text", "data.max_mb=0.2", "data.seq_len=64")
+    with pytest.raises(ConfigError, match=r"data=text \(val\).*no validation window"):
+        run.run(cfg)
+    assert not (Path(cfg.run_dir) / "metrics.jsonl").exists()
+
+
+def test_no_logger_chosen_is_logger_none(tmp_path):
+    p = run_train(
+        [*SMALL[:1], "logger=[]", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'r'}"]
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
+    assert not (tmp_path / "r" / "wandb").exists()
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (b'{"status": "compl', "not whole JSON"),
+        (b"", "not whole JSON"),
+        (b"\x80\x81\xfe", "not text"),
+        (b'["a", "list"]', "not a mixprec summary"),
+        (b'{"doctor": 5}', "not a mixprec summary"),
+    ],
+)
+def test_diagnose_on_a_summary_it_cannot_read_says_so(tmp_path, content, needle):
+    (tmp_path / "summary.json").write_bytes(content)
+    p = subprocess.run(
+        [sys.executable, "-m", "mixprec.diagnose", str(tmp_path)], capture_output=True, text=True
+    )
+    assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr
+
+
+def test_diagnose_names_a_missing_run_dir_and_answers_help(tmp_path):
+    run_diag = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "mixprec.diagnose", *a], capture_output=True, text=True
+    )
+    missing = run_diag(str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    helped = run_diag("--help")
+    assert helped.returncode == 0 and "usage: python -m mixprec.diagnose" in helped.stdout

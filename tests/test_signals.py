@@ -170,7 +170,7 @@ def test_a_signal_to_the_process_group_with_workers_stops_once_and_resumes_exact
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGUSR2])
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP])
 def test_a_schedulers_signal_to_the_group_checkpoints_once(tmp_path, images, sig):
     proc = start([*base(images, steps=100000), f"hydra.run.dir={tmp_path}"])
     wait_for_step(tmp_path, proc, 10)

@@ -147,12 +147,19 @@ def leftovers(directory: Path) -> list[str]:
 
 def load(path: Path) -> dict[str, Any]:
     """The checkpoint's contents, or a CheckpointError naming the file and what is wrong."""
+    low_bit = _allow_torchao()
     try:
         where = path / checkpoint_dcp.META if checkpoint_dcp.is_dcp(path) else path
         blob = torch.load(where, map_location="cpu", weights_only=True)
     except Exception as e:  # empty, truncated, corrupted, or holding objects that would run code
         lines = str(e).strip().splitlines()
         why = f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+        if "torchao" in str(e) and not low_bit:
+            raise CheckpointError(
+                f"checkpoint {path} holds torchao's low-bit optimizer state "
+                "(optimizer.state=8bit/4bit/fp8) and torchao is not installed: "
+                "pip install -e '.[fp8]' to read it"
+            ) from None
         raise CheckpointError(
             f"checkpoint {path} cannot be loaded ({why}); it is empty, "
             "truncated, corrupted or not a mixprec checkpoint"
@@ -166,6 +173,17 @@ def load(path: Path) -> dict[str, Any]:
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete: it has no {', '.join(missing)}")
     return blob
+
+
+def _allow_torchao() -> bool:
+    """torchao's tensor classes (optimizer.state=8bit/4bit/fp8 moments) are allowed by
+    torch.load(weights_only=True) once torchao.optim is imported: a fresh process (export, a
+    resume into another optimizer.state) must import it before reading. False without torchao."""
+    try:
+        import torchao.optim  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _same_global_batch(saved: dict, run: dict) -> bool:

@@ -21,7 +21,7 @@ from typing import Any, Optional
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from . import data as datasets
@@ -159,6 +159,9 @@ def register_configs() -> None:
 
 def validate(cfg: DictConfig) -> TrainConfig:
     """Build the dataclasses from a composed config (runs every __post_init__ check)."""
+    if OmegaConf.is_missing(cfg, "logger"):  # logger=[]: no logger option chosen, as logger=none
+        with open_dict(cfg):
+            cfg.logger = {"sinks": {}}
     _known_keys(cfg, TrainConfig, "")
     _finite(cfg, "")
     try:

@@ -223,9 +223,26 @@ def on_run(parts, tracker) -> None:
     tracker.table("diagnose/misaligned", result["misaligned"])
 
 
+USAGE = """usage: python -m mixprec.diagnose [OVERRIDES...]  a config's dtype audit (no training)
+       python -m mixprec.diagnose RUN_DIR         what the precision doctor found in a run"""
+
+
 def shown_run(run_dir: Path) -> str:
-    """`python -m mixprec.diagnose RUN_DIR`: what the doctor found in a run, from summary.json."""
-    s = json.loads((run_dir / "summary.json").read_text())
+    """`python -m mixprec.diagnose RUN_DIR`: what the doctor found in a run, from summary.json;
+    a ValueError naming what is wrong where it cannot be read."""
+    try:
+        s = json.loads((run_dir / "summary.json").read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("it is not text (binary)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"it is not whole JSON ({e.msg} at line {e.lineno})") from None
+    doctor = s.get("doctor") if isinstance(s, dict) else None
+    if (
+        not isinstance(s, dict)
+        or not isinstance(doctor, (list, type(None)))
+        or any(not isinstance(f, dict) for f in doctor or [])
+    ):
+        raise ValueError("it is not a mixprec summary (an object with a list of doctor findings)")
     lines = [
         f"# {run_dir}",
         "",
@@ -275,11 +292,23 @@ def main(argv: list[str] | None = None) -> None:
     from .errors import MixprecError
 
     argv = argv if argv is not None else sys.argv[1:]
-    if len(argv) == 1 and "=" not in argv[0] and Path(argv[0]).is_dir():
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return
+    if len(argv) == 1 and "=" not in argv[0]:  # a run dir, not an override
         if not (Path(argv[0]) / "summary.json").is_file():
-            print(f"config error: {argv[0]} holds no summary.json (not a run dir)", file=sys.stderr)
+            why = (
+                "holds no summary.json (not a run dir)"
+                if Path(argv[0]).is_dir()
+                else "does not exist"
+            )
+            print(f"config error: {argv[0]} {why}", file=sys.stderr)
             raise SystemExit(2)
-        print(shown_run(Path(argv[0])))
+        try:
+            print(shown_run(Path(argv[0])))
+        except ValueError as e:  # torn, empty, binary or not a summary
+            print(f"config error: {argv[0]}/summary.json cannot be read: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
         return
     try:
         cfg = compose_config(argv)

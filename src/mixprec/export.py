@@ -28,6 +28,7 @@ def export(source: str, dtype: str | None = None, out: Path | None = None) -> tu
     }
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
     out = out or run_dir / f"model-step{blob['state']['step']}{'-' + dtype if dtype else ''}.pt"
+    out.parent.mkdir(parents=True, exist_ok=True)  # --out into a folder not made yet
     files.write_atomic(out, lambda f: torch.save(weights, f))
     return out, blob["config"].get("model") or {}
 

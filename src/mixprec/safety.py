@@ -1,6 +1,6 @@
 """Loud stops: divergence (a non-finite loss, or a collapsed loss scale, N steps in a row) and
-stop signals (SIGTERM / SIGUSR1 / SIGUSR2 / SIGINT acted on at the next step boundary, never inside
-the handler, within a bounded grace)."""
+stop signals (SIGTERM / SIGUSR1 / SIGUSR2 / SIGINT / SIGHUP acted on at the next step boundary,
+never inside the handler, within a bounded grace)."""
 
 from __future__ import annotations
 
@@ -99,7 +99,8 @@ class StopSignals:
     native call. After the run has stopped, `forward()` hands the signal to the handler that was
     there before (submitit's, which requeues the job)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
+    # SIGHUP: the terminal closed (an ssh session dropped): a stop like the others
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
     SAME_STOP_S = 0.5  # a copy of the first signal this soon is the same stop, not a second
 
     def __init__(self, grace_s: float = 25.0, on_forced: Callable[[int], None] = lambda s: None):

@@ -89,6 +89,12 @@ def on_device(tokens: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def need_windows(what: str, n_tokens: int, seq_len: int, batch: int, world: int) -> None:
     have = windows(n_tokens, seq_len) // world
+    if have < batch and "(val)" in what:
+        raise ConfigError(
+            f"{what}: {n_tokens:,} tokens make no validation window of data.seq_len={seq_len} "
+            f"for each of {world} process(es); lower data.seq_len, or use more data "
+            "(data=text: data.max_mb, data.val_fraction)"
+        )
     if have < batch:
         raise ConfigError(
             f"{what}: {n_tokens:,} tokens make {have} windows of data.seq_len={seq_len} per "

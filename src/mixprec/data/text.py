@@ -88,6 +88,7 @@ def corpus(max_mb: float, val_fraction: float) -> tuple[np.ndarray, np.ndarray, 
 def build(cfg: Config, ctx: Context) -> Data:
     train, val, name = corpus(cfg.max_mb, cfg.val_fraction)
     need_windows("data=text (train)", len(train), cfg.seq_len, ctx.batch, ctx.world)
+    need_windows("data=text (val)", len(val), cfg.seq_len, 1, ctx.world)  # every rank evaluates
     log.info(
         "data=text: %s; train %.1f MB, val %.1f MB; a byte is a token (vocabulary 256); "
         "unigram baseline %.3f nats/byte (val loss of a model without context)",

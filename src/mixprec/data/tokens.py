@@ -6,6 +6,7 @@ at or above it is a config error (checked once over both files)."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -60,19 +61,42 @@ def spec(cfg: Config) -> tuple[int, tuple[int, ...]]:
     return cfg.vocab_size, (cfg.seq_len,)
 
 
+def _check_file(cfg: Config, path: Path) -> None:
+    """A readable, non-empty regular file, or a ConfigError saying what it is instead."""
+    where = f"data.root={cfg.root}: {path.name}"
+    need = "(data=tokens needs train.bin and val.bin)"
+    if path.is_symlink() and not path.exists():
+        raise ConfigError(f"{where} is a link that leads nowhere (dangling, or a loop) {need}")
+    if not path.exists():
+        raise ConfigError(f"{where} not found {need}")
+    if path.is_dir():
+        raise ConfigError(f"{where} is a directory, not a file of token ids {need}")
+    if not path.is_file():
+        raise ConfigError(f"{where} is not a regular file (a FIFO, a device, ...) {need}")
+    if path.stat().st_size == 0:
+        raise ConfigError(f"{where} is empty: no tokens {need}")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"{where} cannot be read (permission denied)")
+
+
 def read(cfg: Config, split: str) -> np.ndarray:
     path = Path(cfg.root).expanduser() / f"{split}.bin"
-    if not path.is_file():
-        raise ConfigError(
-            f"data.root={cfg.root}: {path.name} not found (data=tokens needs train.bin and val.bin)"
-        )
+    _check_file(cfg, path)
     size = np.dtype(cfg.dtype).itemsize
     if path.stat().st_size % size:
         raise ConfigError(
             f"{path}: {path.stat().st_size} bytes is not a whole number of {cfg.dtype} "
             "tokens (data.dtype)"
         )
-    tokens = np.memmap(path, dtype=cfg.dtype, mode="r")
+    try:
+        tokens = np.memmap(path, dtype=cfg.dtype, mode="r")
+    except OSError as e:  # unreadable after all
+        raise ConfigError(f"{path} cannot be read ({e.strerror or e})") from None
+    if cfg.dtype == "uint16" and looks_uint32(tokens):
+        raise ConfigError(
+            f"{path} reads as uint16 ids with every second one 0: it looks like uint32 token "
+            "ids (each id's zero high half); set data.dtype=uint32"
+        )
     top = int(tokens.max()) if len(tokens) else 0
     if top >= cfg.vocab_size:
         raise ConfigError(
@@ -82,10 +106,17 @@ def read(cfg: Config, split: str) -> np.ndarray:
     return tokens
 
 
+def looks_uint32(tokens: np.ndarray, sample: int = 1 << 20) -> bool:
+    """uint32 ids below 65,536 read as uint16 interleave with zeros (little-endian high
+    halves): every odd position 0, the even ones not, over the first `sample` pairs."""
+    head = np.asarray(tokens[: 2 * sample])
+    return len(head) >= 64 and not head[1::2].any() and bool(head[0::2].any())
+
+
 def build(cfg: Config, ctx: Context) -> Data:
     train, val = read(cfg, "train"), read(cfg, "val")
     need_windows("data=tokens (train)", len(train), cfg.seq_len, ctx.batch, ctx.world)
-    need_windows("data=tokens (val)", len(val), cfg.seq_len, 1, 1)
+    need_windows("data=tokens (val)", len(val), cfg.seq_len, 1, ctx.world)
     log.info(
         "data=tokens: %s: train %s tokens, val %s tokens (%s), vocabulary %d",
         cfg.root,

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 FORK_SAFE_PYTHON = (3, 11, 10)  # CPython gh-112275 fixed (see the module's docstring)
 PYTHON = tuple(sys.version_info[:3])
 log = logging.getLogger(__name__)
