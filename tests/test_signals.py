@@ -226,6 +226,27 @@ def test_torchrun_with_workers_signalled_as_a_group_stops_every_rank_once(tmp_pa
 
 
 @pytest.mark.slow
+def test_sigkill_to_torchruns_group_takes_its_ranks_down_with_a_checkpoint(tmp_path, images):
+    """`timeout -s KILL torchrun ...` or `kill -9 -PGID`: the SIGKILL reaches the agent alone
+    (each rank leads a session of its own); the ranks, told by the kernel that their parent
+    died (SIGTERM), stop at one step with a checkpoint instead of training on as orphans."""
+    from conftest import _family
+
+    run_dir = tmp_path / "run"
+    proc = start(
+        [*base(images, steps=100000), f"hydra.run.dir={run_dir}"], python=TORCHRUN, threads=1
+    )
+    wait_for_step(run_dir, proc, 10)
+    os.killpg(proc.pid, signal.SIGKILL)
+    out = finish(proc, 120)[0]  # returns once every rank has let go of the output
+    assert not _family(proc), out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ckpt = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert (summary["status"], summary["exit_code"]) == ("preempted", 143), out[-3000:]
+    assert summary["steps"] == ckpt["state"]["step"] >= 10
+
+
+@pytest.mark.slow
 def test_a_signal_to_one_worker_alone_does_not_stop_the_run(tmp_path, images):
     args = [*base(images), "trainer.stop_grace_s=3", f"hydra.run.dir={tmp_path}"]
     proc = start(args)

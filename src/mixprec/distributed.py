@@ -7,9 +7,12 @@ No home-made launcher: the environment torchrun/SLURM set up is read here, nothi
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
+import signal
 import subprocess
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -19,6 +22,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import sharding
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,6 +101,7 @@ def init(device_type: str, group_of_one: bool = False) -> Dist:
             )
         return Dist(grouped=True)
     rank, local_rank, world = env
+    die_with_agent()
     if "MASTER_ADDR" not in os.environ:  # SLURM: the first node of the job hosts the store
         os.environ["MASTER_ADDR"] = first_host(os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1"))
         os.environ.setdefault(
@@ -107,6 +113,27 @@ def init(device_type: str, group_of_one: bool = False) -> Dist:
     if not dist.is_initialized():
         dist.init_process_group(_backend(device_type), timeout=datetime.timedelta(minutes=10))
     return Dist(rank, local_rank, world, grouped=True)
+
+
+def die_with_agent() -> None:
+    """Under torchrun (Linux): this rank is sent SIGTERM when its agent dies, a stop signal
+    like any other (checkpoint at the next step, every rank at the same one). A SIGKILL to
+    torchrun's group (`timeout -s KILL`, `kill -9 -PGID`) reaches only the agent, whose ranks
+    lead sessions of their own: left alone they trained on as orphans into the run dir."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+
+    agent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal.SIGTERM, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    except (OSError, AttributeError) as e:
+        log.warning("torchrun: this rank cannot follow its agent's death (%s)", e)
+        return
+    if os.getppid() != agent or agent == 1:  # the agent died before the call: stop now
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def probe_dist(sharded: bool, device_type: str) -> Dist:
