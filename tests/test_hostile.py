@@ -269,3 +269,53 @@ def test_diagnose_names_a_missing_run_dir_and_answers_help(tmp_path):
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     helped = run_diag("--help")
     assert helped.returncode == 0 and "usage: python -m mixprec.diagnose" in helped.stdout
+
+
+SHARDED = [
+    *SMALL,
+    "model=llama_tiny",
+    "data=text",
+    "data.seq_len=32",
+    "data.max_mb=1",
+    "parallel=fsdp",
+    "ckpt.sharded=true",
+]
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory) -> Path:
+    """A run that kept a sharded (DCP) checkpoint: FSDP2 in a world of one, on the CPU."""
+    d = tmp_path_factory.mktemp("sharded") / "run"
+    p = run_train([*SHARDED, "trainer.max_steps=2", f"hydra.run.dir={d}"])
+    assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
+    return d
+
+
+@pytest.mark.parametrize("damage", ["shard missing", "shard truncated", "metadata garbage"])
+def test_a_damaged_sharded_checkpoint_is_exit_5_naming_it_at_resume_and_export(
+    sharded_run, tmp_path, damage
+):
+    import shutil
+
+    d = tmp_path / "run"
+    shutil.copytree(sharded_run, d, symlinks=True)
+    ckpt = d / "checkpoints" / "step_00000002.dcp"
+    shard = next(ckpt.glob("*.distcp"))
+    if damage == "shard missing":
+        shard.unlink()
+    elif damage == "shard truncated":
+        shard.write_bytes(shard.read_bytes()[:1000])
+    else:
+        (ckpt / ".metadata").write_bytes(b"garbage" * 100)
+    p = run_train([*SHARDED, "trainer.max_steps=4", "resume=auto", f"hydra.run.dir={d}"])
+    out = p.stdout + p.stderr
+    assert p.returncode == 5, out[-3000:]
+    # (torch's own logger may warn with a traceback of its fallback; mixprec's is one line)
+    mine = out[out.index("checkpoint error:") :]
+    assert "step_00000002.dcp" in mine and "Traceback" not in mine
+    exported = subprocess.run(
+        [sys.executable, "-m", "mixprec.export", str(d)], capture_output=True, text=True
+    )
+    last = exported.stderr.strip().splitlines()[-1]
+    assert exported.returncode == 5 and last.startswith("checkpoint error:"), exported.stderr
+    assert "step_00000002.dcp" in last

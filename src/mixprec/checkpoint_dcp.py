@@ -13,14 +13,17 @@ name and offset). `python -m mixprec.export` joins the shards into one plain wei
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from . import distributed, files
+from .errors import CheckpointError
 from .models import unwrap
 
 SUFFIX = ".dcp"
@@ -80,7 +83,8 @@ def read(path: Path, learner) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _states(learner)
-    dcp.load(state, checkpoint_id=str(path))
+    with damaged_as_checkpoint_error(path):
+        dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
         unwrap(learner.model),
         learner.optimizer,
@@ -96,8 +100,29 @@ def full_model(path: Path) -> dict:
 
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / "full.pt"
-        dcp_to_torch_save(str(path), str(out))
+        with damaged_as_checkpoint_error(path):
+            dcp_to_torch_save(str(path), str(out))
         return torch.load(out, map_location="cpu", weights_only=True)["model"]
+
+
+@contextmanager
+def damaged_as_checkpoint_error(path: Path):
+    """A shard missing, truncated or garbage, or a garbage .metadata: a CheckpointError
+    naming the checkpoint (exit 5) on every rank. torch's CheckpointException derives from
+    BaseException (it passed every `except Exception`: tracebacks, exit 1)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (CheckpointException, Exception) as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        causes = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)]
+        why = causes[-1] if causes else (lines[0] if lines else type(e).__name__)
+        where = f"{path} ({path.resolve().name})" if path.is_symlink() else str(path)
+        raise CheckpointError(
+            f"checkpoint {where} cannot be read: a shard or its .metadata is missing, truncated "
+            f"or damaged ({why[:300]})"
+        ) from None
 
 
 def _states(learner) -> dict:
