@@ -362,3 +362,28 @@ def test_an_own_lm_and_an_hf_llama_train_in_fp8_compiled_per_block_on_the_gpu(tm
         assert f"Linear layers compute in float8; kept in bf16: {head}" in caplog.text
         caplog.clear()
         assert abs(losses["fp8"] - losses["bf16"]) < 0.1 * losses["bf16"], (name, losses)
+
+
+def test_the_dtype_audit_the_doctor_and_export_take_a_users_model(tmp_path):
+    """diagnose=true (the dtype audit and tensor-core check), debug.locate=true (the doctor's
+    hooks) and `python -m mixprec.export`, on a model from tests/plugins under amp."""
+    import subprocess
+
+    c = cfg(
+        tmp_path,
+        *CONV,
+        "precision=amp",
+        "diagnose=true",
+        "debug.locate=true",
+        "trainer.max_steps=6",
+    )
+    s = run.run(c)
+    d = Path(c.run_dir)
+    audit = json.loads((d / "diagnose.json").read_text())
+    modules = {m["module"]: m for m in audit["modules"]}  # read from the user's live modules
+    assert s["status"] == "completed" and modules["blocks.0.conv"]["dtype"] == "float16"
+    out = subprocess.run(
+        [sys.executable, "-m", "mixprec.export", str(d)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "from own_models import TinyConvNet" in out.stdout

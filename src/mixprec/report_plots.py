@@ -149,6 +149,16 @@ def study_plot(result: dict, path: Path) -> Path:
         ax.set_xlabel(xlabel)
         ax.set_ylabel("val loss")
         ax.legend(fontsize=8)
+    _time_to_target(axes[2], result)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _time_to_target(ax, result: dict) -> None:
+    """Each precision's training seconds to the target: the reference ± its seeds' std, the
+    others with their speedup's interval as seconds; a bar over fewer seeds says so."""
     rows = [r for r in result["rows"] if r.seconds_to]
     names = [r.precision for r in rows]
     means = [r.seconds_to[0] for r in rows]
@@ -161,7 +171,7 @@ def study_plot(result: dict, path: Path) -> Path:
         else [r.seconds_to[1], r.seconds_to[1]]
         for r, m in zip(rows, means)
     ]
-    axes[2].barh(
+    ax.barh(
         names,
         means,
         xerr=list(zip(*err)) if err else None,
@@ -171,18 +181,20 @@ def study_plot(result: dict, path: Path) -> Path:
     for i, r in enumerate(rows):  # a bar over fewer seeds than ran says so
         reached = r.seeds - len(r.not_reached) - len(r.diverged)
         if reached < r.seeds:
-            axes[2].annotate(
-                f" {reached} of {r.seeds} seeds reached it", (means[i], i), va="center"
+            ax.annotate(
+                f"{reached} of {r.seeds} seeds reached it",
+                (0, i),
+                xytext=(4, 0),
+                textcoords="offset points",
+                va="center",
+                color="white",
+                fontsize=8,
             )
-    axes[2].invert_yaxis()
-    axes[2].set_xlabel(f"training seconds to val loss {result['target']:.3f}")
-    axes[2].set_title(
+    ax.invert_yaxis()
+    ax.set_xlabel(f"training seconds to val loss {result['target']:.3f}")
+    ax.set_title(
         f"{result['reference']}: ± std over seeds; others: {int(result['level'] * 100)} % "
         "interval of the speedup, as seconds",
         loc="left",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
