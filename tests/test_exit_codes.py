@@ -164,6 +164,39 @@ DRIVEN_ELSEWHERE = {
         "test_faults.py::test_a_stop_signal_during_a_step_that_never_ends_exits_within_the_grace"
     ),
     "a second Ctrl-C": "test_faults.py::test_a_second_ctrl_c_exits_at_once",
+    "a stop signal during an evaluation": (
+        "test_hostile.py::test_a_stop_during_a_long_evaluation_checkpoints_the_last_step"
+    ),
+    "`resume=auto` where `checkpoints/` holds checkpoint files": (
+        "test_hostile.py::test_a_resume_that_finds_no_whole_checkpoint_refuses_and_changes_nothing"
+    ),
+    "a second run into a dir whose first run is still building": (
+        "test_hostile.py::test_a_refused_run_leaves_a_live_runs_lock_and_dir"
+    ),
+    "a finished run that kept no checkpoint": (
+        "test_hostile.py::test_resume_auto_on_a_finished_run_without_a_checkpoint_does_nothing"
+    ),
+    "low-bit optimizer state in a checkpoint": (
+        "test_hostile.py::test_low_bit_state_checkpoints_export_and_name_the_setting_in_a_fresh_process"
+    ),
+    "`data=text` or `data=tokens` whose validation split": (
+        "test_hostile.py::test_a_text_split_too_short_to_validate_is_refused_before_training"
+    ),
+    "`data=tokens` with an empty": (
+        "test_hostile.py::test_token_files_that_cannot_be_read_are_named"
+    ),
+    "`python -m mixprec.diagnose RUN_DIR`": (
+        "test_hostile.py::test_diagnose_on_a_summary_it_cannot_read_says_so"
+    ),
+    "a sharded checkpoint (`ckpt.sharded=true`) with a shard": (
+        "test_hostile.py::test_a_damaged_sharded_checkpoint_is_exit_5_naming_it_at_resume_and_export"
+    ),
+    "SIGKILL to torchrun's process group": (
+        "test_signals.py::test_sigkill_to_torchruns_group_takes_its_ranks_down_with_a_checkpoint"
+    ),
+    "a model or data callable of yours": (
+        "test_own_model.py::test_a_target_that_cannot_be_imported_exits_2_through_train_py"
+    ),
 }
 
 

@@ -259,6 +259,7 @@ def test_a_half_written_sharded_checkpoint_is_never_the_one_resumed(tmp_path):
         d.mkdir(parents=True)
         (d / "__0_0.distcp").write_bytes(b"shard")
     (whole / "meta.pt").write_bytes(b"meta")
+    (whole / ".metadata").write_bytes(b"metadata")  # DCP writes it, meta.pt comes last
     (ckpts / "last.dcp").symlink_to(whole.name)
     assert checkpoint.find("auto", tmp_path) == ckpts / "last.dcp"
     with pytest.raises(ConfigError, match=r"no checkpoint at .*step_00000006.dcp"):
