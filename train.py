@@ -3,16 +3,16 @@
 import os
 import sys
 
-from mixprec import quick_exit
+from mixprec.internals import quick_exit
 
 quick_exit.install()  # first: its atexit handler runs last, then skips the interpreter teardown
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from mixprec.config import compose_config, register_configs  # noqa: E402
-from mixprec.launch import config_errors_exit_2  # noqa: E402
-from mixprec.run import main as run_main  # noqa: E402
+from mixprec.core.launch import config_errors_exit_2  # noqa: E402
+from mixprec.run.config import compose_config, register_configs  # noqa: E402
+from mixprec.run.session import main as run_main  # noqa: E402
 
 register_configs()
 

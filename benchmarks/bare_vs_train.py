@@ -128,9 +128,9 @@ def bare(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
     import torch.nn.functional as F
 
     import mixprec.models  # noqa: F401  (registers mixprec_digits_cnn with timm)
-    from mixprec import precision as precisions
-    from mixprec.config import compose_config, validate
-    from mixprec.process import set_tf32
+    from mixprec.core.process import set_tf32
+    from mixprec.precision import base as precisions
+    from mixprec.run.config import compose_config, validate
 
     if preset.startswith("lm"):
         return bare_lm(preset, row, steps, warmup, repeats)
@@ -158,8 +158,8 @@ def bare(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
     else:
         from torch.utils.data import DataLoader, TensorDataset
 
-        from mixprec.config import compose_config, validate
         from mixprec.data.digits import tensors
+        from mixprec.run.config import compose_config, validate
 
         x, y, _, _ = tensors(validate(compose_config()).data)
         model = timm.create_model("mixprec_digits_cnn", num_classes=10, in_chans=1).to(device)
@@ -185,7 +185,7 @@ def bare(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> dict:
         cache_enabled=not row["graphs"],
     )
     if row["compile"]:
-        from mixprec.compiling import compile_model
+        from mixprec.compile.compiling import compile_model
 
         model = compile_model(
             model, None if row["compile"] == "default" else row["compile"], row["options"]
@@ -220,10 +220,10 @@ def bare_lm(preset: str, row: dict, steps: int, warmup: int, repeats: int) -> di
     import torch.nn.functional as F
 
     import mixprec.models  # noqa: F401  (registers mixprec_llama with timm)
-    from mixprec import compiling
-    from mixprec import precision as precisions
-    from mixprec.config import compose_config, validate
-    from mixprec.process import set_tf32
+    from mixprec.compile import compiling
+    from mixprec.core.process import set_tf32
+    from mixprec.precision import base as precisions
+    from mixprec.run.config import compose_config, validate
 
     c = validate(compose_config([*PRESETS[preset]["train_args"], f"precision={row['precision']}"]))
     device = torch.device("cuda" if torch.cuda.is_available() and preset == "lm" else "cpu")

@@ -111,7 +111,7 @@ def loader_rate(root: Path, decode: str, batch: int, workers: int, batches: int)
     import torch
 
     from mixprec import data
-    from mixprec.config import compose_config, validate
+    from mixprec.run.config import compose_config, validate
 
     c = validate(
         compose_config(

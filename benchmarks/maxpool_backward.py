@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mixprec.ops import max_pool2d
+from mixprec.models.ops import max_pool2d
 
 
 def pool(x):
@@ -31,7 +31,7 @@ def pool(x):
 
 
 def triton_pool(x):
-    """model.triton_max_pool=true: mixprec::max_pool2d, our Triton kernels (src/mixprec/ops.py)."""
+    """model.triton_max_pool=true: mixprec::max_pool2d, our Triton kernels (src/mixprec/models/ops.py)."""
     return max_pool2d(x, [3, 3], [2, 2], [1, 1], [1, 1], False)[0]
 
 

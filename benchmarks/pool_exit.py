@@ -1,5 +1,5 @@
 """How long a process that started worker pools keeps running after its final line, against
-one that started none: mixprec's tuning workers (src/mixprec/tuning_workers.py) and inductor's
+one that started none: mixprec's tuning workers (src/mixprec/internals/tuning_workers.py) and inductor's
 compile workers (the sidecar and pool inductor starts to compile Triton kernels; on a CPU
 nothing starts it, so the child does). Each a fresh process that imports torch, starts the
 pool, prints its final line and exits through train.py's quick exit; timed until its stdout
@@ -25,12 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def child(pool: str, workers: int) -> None:
     sys.path.insert(0, str(ROOT / "src"))
-    from mixprec import quick_exit
+    from mixprec.internals import quick_exit
 
     quick_exit.install()
     import torch  # noqa: F401  (what the trainer holds)
 
-    from mixprec import tuning_workers
+    from mixprec.internals import tuning_workers
 
     if pool == "tuning":
         os.environ[tuning_workers.ENV] = str(workers)

@@ -69,8 +69,10 @@ def main() -> None:
     os.environ.setdefault("WANDB_MODE", "disabled")
     from torch.profiler import ProfilerActivity, profile
 
-    from mixprec import build, distributed, loop
-    from mixprec.config import compose_config, validate
+    from mixprec.parallel import distributed
+    from mixprec.run import build
+    from mixprec.run.config import compose_config, validate
+    from mixprec.train import loop
 
     c = validate(compose_config([a.base, "logger=none", *a.overrides]))
     hw = build.resolve_hardware(c)

@@ -40,7 +40,7 @@ def install(trace: str) -> None:
         winner = original_tuning(self, launcher, *args, **kwargs)
         tuner = self.coordesc_tuner
         timings = [t for t in tuner.cached_benchmark_results.values() if t != float("inf")]
-        from mixprec import tuning_ahead
+        from mixprec.internals import tuning_ahead
 
         row = {
             "kernel": self.inductor_meta.get("kernel_name"),
@@ -64,7 +64,7 @@ def install(trace: str) -> None:
 def install_at_compile(trace: str) -> None:
     """Install when train.py first compiles (torch is then imported after train.py's own
     exit handler, as in a run without the trace)."""
-    from mixprec import tuning_ahead
+    from mixprec.internals import tuning_ahead
 
     apply = tuning_ahead.apply
 

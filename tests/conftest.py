@@ -18,7 +18,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from mixprec.config import register_configs, validate
+from mixprec.run.config import register_configs, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 if os.environ.get("PYTEST_XDIST_WORKER"):  # make test runs -n 2 on 2 cores: two workers that

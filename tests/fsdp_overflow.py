@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mixprec import loop, precision, sharding
+from mixprec.parallel import sharding
+from mixprec.precision import base as precision
+from mixprec.train import loop
 
 from conftest import group
 

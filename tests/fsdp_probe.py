@@ -13,9 +13,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mixprec import build, distributed, loop, sharding
 from mixprec import data as datasets
-from mixprec.config import validate
+from mixprec.parallel import distributed, sharding
+from mixprec.run import build
+from mixprec.run.config import validate
+from mixprec.train import loop
 
 from conftest import LM_CPU, compose_cfg
 

@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import batch_size, models, run
-from mixprec.batch_size import search, split_effective, with_margin
-from mixprec.errors import ConfigError
+from mixprec import models
+from mixprec.core.errors import ConfigError
+from mixprec.run import session as run
+from mixprec.train import batch_size
+from mixprec.train.batch_size import search, split_effective, with_margin
 
 from conftest import group
 

@@ -6,9 +6,13 @@ import pytest
 import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-from mixprec import config, hardware, models, precision, run
-from mixprec.config import TrainConfig, validate
-from mixprec.errors import ConfigError
+from mixprec import models
+from mixprec.core import hardware
+from mixprec.core.errors import ConfigError
+from mixprec.precision import base as precision
+from mixprec.run import config
+from mixprec.run import session as run
+from mixprec.run.config import TrainConfig, validate
 
 from conftest import compose_cfg, group, group_options, run_train
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mixprec import run
-from mixprec.errors import ConfigError, DataError
+from mixprec.core.errors import ConfigError, DataError
+from mixprec.run import session as run
 
 TINY = [
     "model=resnet18",
@@ -163,7 +163,7 @@ def _batches(dcfg_overrides, cfg_factory, root, split="val", n=1):
     import torch
 
     from mixprec import data
-    from mixprec.config import validate
+    from mixprec.run.config import validate
 
     c = validate(
         cfg_factory(
@@ -307,7 +307,7 @@ def test_a_run_stops_its_persistent_workers_before_it_returns(cfg_factory, tmp_p
     each for 5 s (pytorch#81794; 80 s for 16 workers on the H200 host)."""
     import multiprocessing as mp
 
-    from mixprec import loop
+    from mixprec.train import loop
 
     root = make_folder(tmp_path / "imgs", n=12)
     before, seen, train = set(mp.active_children()), [], loop.train
@@ -337,7 +337,7 @@ def test_the_fast_preset_takes_a_real_dataset(cfg_factory, tmp_path):
     """experiment=fast data=imagenet (the README's real-data command) composes and validates: the
     preset sets no key of one dataset (it once set data.steps_per_epoch, synthetic's only, and
     every real-data run of it stopped with exit 2)."""
-    from mixprec.config import validate
+    from mixprec.run.config import validate
 
     root = make_folder(tmp_path / "imgs", n=2)
     c = validate(cfg_factory("experiment=fast", "data=imagenet", f"data.root={root}"))

@@ -15,7 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import distributed, loop, optim, precision
+from mixprec.optim import optimizers as optim
+from mixprec.parallel import distributed
+from mixprec.precision import base as precision
+from mixprec.train import loop
 
 import wandb_log
 from conftest import (
@@ -169,7 +172,7 @@ def test_slurm_environment_is_read(monkeypatch):
 def test_stop_signals_hand_over_to_the_previous_handler():
     import signal
 
-    from mixprec.safety import StopSignals
+    from mixprec.train.safety import StopSignals
 
     seen = []
     old = signal.signal(signal.SIGUSR2, lambda s, f: seen.append(s))  # e.g. submitit's requeue

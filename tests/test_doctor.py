@@ -15,9 +15,11 @@ import torch
 from timm.models import register_model
 from torch import nn
 
-from mixprec import doctor, loop, run
-from mixprec.errors import Diverged
-from mixprec.precision import GradScaler, Precision, PrecisionConfig
+from mixprec.core.errors import Diverged
+from mixprec.diagnostics import doctor
+from mixprec.precision.base import GradScaler, Precision, PrecisionConfig
+from mixprec.run import session as run
+from mixprec.train import loop
 
 
 class Scale(nn.Module):
@@ -50,7 +52,7 @@ def planted(kind: str, num_classes: int = 4, in_features: int = 16) -> nn.Sequen
 
 
 def learner(model: nn.Module, autocast: str | None = "float16") -> loop.Learner:
-    cfg = PrecisionConfig("amp", "mixprec.precision", autocast, False, 1, [])
+    cfg = PrecisionConfig("amp", "mixprec.precision.base", autocast, False, 1, [])
     enabled = autocast == "float16"
     prec = Precision(cfg, "cpu", GradScaler("cpu", init_scale=65536.0, enabled=enabled), False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -186,3 +188,20 @@ def test_weights_already_broken_are_named_and_locate_catches_the_step_before(cfg
     assert found[0]["step"] == 1 and found[0]["trigger"] == "non-finite loss"
     assert found[0]["where"] == "forward" and found[0]["module"] == "blowup.1"
     assert found[0]["dtype"] == "float32" and found[0]["max_abs_in"] > 1e29
+
+
+def test_a_scale_that_overflows_the_output_gradient_is_named_not_not_reproduced():
+    """GradScaler skips a step when scale x dL/dlogits leaves fp16's range at the head's output:
+    no layer made it, and the doctor says so (it said 'not reproduced')."""
+    model = nn.Sequential(OrderedDict([("stem", nn.Linear(16, 32)), ("head", nn.Linear(32, 4))]))
+    lr = learner(model)
+    found = doctor.locate(lr, batch(), 2.0**40)
+    assert found["where"] == "loss scale"
+    assert found["module"] == "head" and found["dtype"] == "float16"
+    assert found["max_abs_in"] == float("inf")
+    assert doctor.locate(lr, batch(), 65536.0)["where"] == "none"  # a sane scale: nothing
+    f = {**found, "step": 3, "trigger": doctor.SKIPPED}
+    text = doctor.sentence(f)
+    assert (
+        "loss scale itself overflowed" in text and "head" in text and "not reproduced" not in text
+    )

@@ -14,7 +14,9 @@ import pytest
 import torch
 from test_data import make_folder
 
-from mixprec import errors, run, rundir
+from mixprec.core import errors
+from mixprec.run import rundir
+from mixprec.run import session as run
 
 from conftest import ROOT, run_train
 
@@ -122,7 +124,7 @@ def resume_auto_on_a_finished_run(cfg_factory, tmp_path):
 def a_bug(cfg_factory, tmp_path):
     """An unexpected exception inside the run: Hydra prints it and the process exits 1."""
     code = (
-        "import runpy, sys, mixprec.loop as loop\n"
+        "import runpy, sys, mixprec.train.loop as loop\n"
         "def boom(*a, **k): raise RuntimeError('a bug')\n"
         "loop.train = boom\n"
         f"sys.argv = ['train.py', 'logger=none', 'hydra.run.dir={tmp_path / 'bug'}']\n"
@@ -193,6 +195,18 @@ DRIVEN_ELSEWHERE = {
     ),
     "SIGKILL to torchrun's process group": (
         "test_signals.py::test_sigkill_to_torchruns_group_takes_its_ranks_down_with_a_checkpoint"
+    ),
+    "a run dir or sweep dir that cannot be written": (
+        "test_hostile.py::test_a_run_dir_that_cannot_be_written_is_exit_9_in_one_line"
+    ),
+    "the checkpoints folder stops being writable": (
+        "test_hostile.py::test_a_checkpoint_folder_that_turns_read_only_is_exit_9_and_recorded"
+    ),
+    "`python -m mixprec.report` or `python -m mixprec.study` into a folder": (
+        "test_hostile.py::test_a_run_dir_that_cannot_be_written_is_exit_9_in_one_line"
+    ),
+    "a rank stopped by torchrun as it records its failure": (
+        "test_hostile.py::test_a_rank_stopped_as_it_records_its_failure_still_records_it"
     ),
     "a model or data callable of yours": (
         "test_own_model.py::test_a_target_that_cannot_be_imported_exits_2_through_train_py"

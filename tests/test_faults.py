@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixprec import report, run, rundir
-from mixprec.errors import CheckpointError, ConfigError, Diverged, RunDirBusy
+from mixprec.core.errors import CheckpointError, ConfigError, Diverged, RunDirBusy
+from mixprec.report import report
+from mixprec.run import rundir
+from mixprec.run import session as run
 from mixprec.sinks import local
 
 from conftest import ROOT, finish, run_train, start_session
@@ -407,7 +409,7 @@ def test_the_continue_command_survives_odd_run_dirs(tmp_path, name):
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from mixprec import messages
+    from mixprec.run import messages
 
     d = tmp_path / name
     args = shlex.split(messages.resume_command(d))[2:]  # as the shell hands them to train.py

@@ -6,8 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import fp32_layers, llama, run
-from mixprec.errors import ConfigError
+from mixprec.core.errors import ConfigError
+from mixprec.models import llama
+from mixprec.precision import fp32_layers
+from mixprec.run import session as run
 
 
 def net() -> nn.Sequential:
@@ -96,8 +98,11 @@ def test_keep_fp32_trains_through_train_py_and_the_audit_lists_it(cfg_factory, t
 def test_mfu_counts_kept_flops_at_the_fp32_peak(cfg_factory):
     """With keep_fp32, the peak MFU divides by blends the precision's peak with the TF32 (or
     fp32) peak by the kept layers' share of the FLOPs."""
-    from mixprec import build, distributed, models, perf
-    from mixprec.config import validate
+    from mixprec import models
+    from mixprec.models import flops
+    from mixprec.parallel import distributed
+    from mixprec.run import build
+    from mixprec.run.config import validate
 
     c = validate(cfg_factory("precision=bf16", "precision.keep_fp32=[head]"))
     hw = build.resolve_hardware(c)
@@ -105,7 +110,7 @@ def test_mfu_counts_kept_flops_at_the_fp32_peak(cfg_factory):
     p = build.build(c, hw, distributed.Dist())
     model, prec = models.unwrap(p.learner.model), p.learner.precision
     cpu = torch.device("cpu")
-    total, head = perf.train_flops(model, (1, 8, 8), 10, cpu, prec.autocast, {"head"})
+    total, head = flops.train_flops(model, (1, 8, 8), 10, cpu, prec.autocast, {"head"})
     share = head / total
     assert 0 < share < 0.5 and prec.kept == ["head"]
     expected = 1 / (share / 100.0 + (1 - share) / 1000.0)  # bf16 runs with TF32 on
@@ -113,7 +118,7 @@ def test_mfu_counts_kept_flops_at_the_fp32_peak(cfg_factory):
 
 
 def test_the_audit_counts_kept_layers_as_fp32_and_survives_a_counter_that_fails(monkeypatch):
-    from mixprec import diagnose
+    from mixprec.diagnostics import audit as diagnose
 
     model = net()
     fp32_layers.keep(model, ["3"], "cpu", set())

@@ -8,9 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import diagnose, fp8, perf, precision, run
-from mixprec.config import validate
-from mixprec.errors import ConfigError
+from mixprec.core.errors import ConfigError
+from mixprec.diagnostics import audit as diagnose
+from mixprec.models import flops
+from mixprec.precision import base as precision
+from mixprec.precision import fp8
+from mixprec.run import session as run
+from mixprec.run.config import validate
 
 from conftest import compose_cfg, group
 
@@ -138,7 +142,7 @@ def test_the_float8_flop_share_and_the_peak_it_implies():
     conv = fp8_plugin("tensorwise", False)
     model = conv.convert(Net())
     bf16 = precision.build(group("precision", "bf16"), group("scaler"), torch.device("cpu"))
-    total, in_float8 = perf.train_flops(
+    total, in_float8 = flops.train_flops(
         model, (32,), 10, torch.device("cpu"), bf16.autocast, set(conv.owned())
     )
     # forward 2*in*out per sample, backward twice that (torchao's Float8Linear computes the

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixprec import hardware, process, run
-from mixprec.errors import ConfigError, OutOfMemory
+from mixprec.core import hardware, process
+from mixprec.core.errors import ConfigError, OutOfMemory
+from mixprec.run import session as run
 
 from conftest import compose_cfg, group
 
@@ -52,27 +53,29 @@ def test_flop_count_on_meta_matches_the_gpus_count_for_resnet_and_fp8():
     and torchao's float8 linears, whose GPU path runs torch._scaled_mm."""
     from torchao.float8 import convert_to_float8_training
 
-    from mixprec import models, perf, precision
-    from mixprec.config import validate
-    from mixprec.tasks import CLASSIFY
+    from mixprec import models
+    from mixprec.core.tasks import CLASSIFY
+    from mixprec.models import flops
+    from mixprec.precision import base as precision
+    from mixprec.run.config import validate
 
     cuda, meta = torch.device("cuda"), torch.device("meta")
     cfg = validate(compose_cfg(["experiment=fast"]))
     resnet = models.build(cfg.model, 1000, (3, 224, 224), cuda)
     amp = precision.build(group("precision", "amp"), group("scaler"), cuda)
     args = (amp.autocast, 16, CLASSIFY, (3, 224, 224), 1000)
-    on_meta = perf._flop_counts(resnet, meta, *args)
-    assert on_meta["Global"] and on_meta == perf._flop_counts(resnet, cuda, *args)
+    on_meta = flops._flop_counts(resnet, meta, *args)
+    assert on_meta["Global"] and on_meta == flops._flop_counts(resnet, cuda, *args)
     fp8 = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
     convert_to_float8_training(fp8.to(cuda))
     bf16 = precision.build(group("precision", "bf16"), group("scaler"), cuda)
     args = (bf16.autocast, 16, CLASSIFY, (256,), 128)
-    on_meta = perf._flop_counts(fp8, meta, *args)
-    assert on_meta["Global"] and on_meta == perf._flop_counts(fp8, cuda, *args)
+    on_meta = flops._flop_counts(fp8, meta, *args)
+    assert on_meta["Global"] and on_meta == flops._flop_counts(fp8, cuda, *args)
 
 
 def test_autocast_dtypes_on_cuda():
-    from mixprec import precision
+    from mixprec.precision import base as precision
 
     lin = torch.nn.Linear(64, 64).cuda()
     x = torch.randn(8, 64, device="cuda")
@@ -164,7 +167,7 @@ def test_cuda_graphs_train_like_eager(cfg_factory, tmp_path):
 def test_triton_max_pool_matches_aten_on_the_gpu(dtype):
     """The Triton kernels on CUDA at ResNet's stem (3x3, stride 2, padding 1, channels-last),
     eager and compiled: aten's output exactly, and its gradient (fp32 sums of at most four)."""
-    from mixprec.ops import TritonMaxPool2d, _use_triton
+    from mixprec.models.ops import TritonMaxPool2d, _use_triton
 
     x = torch.randn(8, 64, 56, 56, device="cuda").to(dtype)
     x = x.contiguous(memory_format=torch.channels_last)
@@ -240,7 +243,7 @@ def test_nvjpeg_decode_matches_the_workers_on_the_gpu(cfg_factory, tmp_path):
     from test_data import smooth_jpegs
 
     from mixprec import data
-    from mixprec.config import validate
+    from mixprec.run.config import validate
 
     root = smooth_jpegs(tmp_path / "imgs")
     got = []
@@ -446,7 +449,7 @@ def test_tuning_ahead_compiles_the_walks_candidates_in_workers(monkeypatch, tmp_
     """Coordinate-descent tuning on a fresh cache with workers compiling ahead: kernels queue
     their first rounds when inductor compiles them, the walk finds candidates already
     compiled, and the tuned model computes what the eager one does."""
-    from mixprec import tuning_ahead, tuning_workers
+    from mixprec.internals import tuning_ahead, tuning_workers
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))

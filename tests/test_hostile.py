@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixprec import checkpoint, run, rundir
-from mixprec.errors import CheckpointError
+from mixprec.checkpoint import store as checkpoint
+from mixprec.core.errors import CheckpointError
+from mixprec.run import rundir
+from mixprec.run import session as run
 
 from conftest import ROOT, finish, last_weights, run_train, start_session
 
@@ -190,7 +192,7 @@ def test_low_bit_state_checkpoints_export_and_name_the_setting_in_a_fresh_proces
 
 
 def test_token_files_that_cannot_be_read_are_named(tmp_path, cfg_factory):
-    from mixprec.errors import ConfigError
+    from mixprec.core.errors import ConfigError
 
     root = tmp_path / "tok"
     root.mkdir()
@@ -227,7 +229,7 @@ def test_token_files_that_cannot_be_read_are_named(tmp_path, cfg_factory):
 
 
 def test_a_text_split_too_short_to_validate_is_refused_before_training(cfg_factory):
-    from mixprec.errors import ConfigError
+    from mixprec.core.errors import ConfigError
 
     cfg = cfg_factory("model=llama_tiny", "data=text", "data.max_mb=0.2", "data.seq_len=64")
     with pytest.raises(ConfigError, match=r"data=text \(val\).*no validation window"):
@@ -319,3 +321,134 @@ def test_a_damaged_sharded_checkpoint_is_exit_5_naming_it_at_resume_and_export(
     last = exported.stderr.strip().splitlines()[-1]
     assert exported.returncode == 5 and last.startswith("checkpoint error:"), exported.stderr
     assert "step_00000002.dcp" in last
+
+
+@pytest.fixture
+def read_only():
+    """read_only(path): `path` (a folder) becomes a read-only bind mount of itself, as a
+    read-only filesystem is; undone at the test's end. Skips where mounts are not allowed."""
+    mounted = []
+
+    def make(path: Path) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        for cmd in (["mount", "--bind", path, path], ["mount", "-o", "remount,bind,ro", path]):
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            if p.returncode:
+                pytest.skip(f"a read-only mount needs root and mount(8): {p.stderr.strip()}")
+            if cmd[1] == "--bind":
+                mounted.append(path)
+        return path
+
+    yield make
+    for path in reversed(mounted):
+        subprocess.run(["umount", path], capture_output=True)
+
+
+def one_line(p: subprocess.CompletedProcess) -> str:
+    out = p.stdout + p.stderr
+    assert "Traceback" not in out, out[-3000:]
+    return out
+
+
+def test_a_run_dir_that_cannot_be_written_is_exit_9_in_one_line(tmp_path, read_only):
+    """A file where the run dir should be; a new run on a read-only filesystem; resume=auto of a
+    finished run there: Hydra would make the dir, write .hydra/ and train.log, and fail with a
+    traceback (exit 1). Each is one line naming the dir, exit 9."""
+    file = tmp_path / "a_file"
+    file.write_text("not a folder")
+    p = run_train([*SMALL, "trainer.max_steps=2", f"hydra.run.dir={file}/run"])
+    assert p.returncode == 9 and f"{file} is a file, not a folder" in one_line(p)
+    done = tmp_path / "fs" / "done"
+    assert run_train([*SMALL, "trainer.max_steps=2", f"hydra.run.dir={done}"]).returncode == 0
+    before = (done / "summary.json").read_bytes()
+    read_only(tmp_path / "fs")
+    for args in (
+        [f"hydra.run.dir={tmp_path / 'fs' / 'new'}"],
+        [f"hydra.run.dir={done}", "resume=auto"],
+    ):
+        p = run_train([*SMALL, "trainer.max_steps=2", *args])
+        assert p.returncode == 9 and "read-only filesystem" in one_line(p)
+    assert (done / "summary.json").read_bytes() == before
+    multi = run_train(["-m", *SMALL, f"hydra.sweep.dir={tmp_path / 'fs' / 'sweep'}", "seed=0,1"])
+    assert multi.returncode == 9 and "hydra.sweep.dir=" in one_line(multi)
+    report = subprocess.run(
+        [sys.executable, "-m", "mixprec.report", str(done), "--no-wandb"],
+        capture_output=True,
+        text=True,
+    )
+    assert report.returncode == 9 and "cannot write" in one_line(report)
+
+
+def test_a_checkpoint_folder_that_turns_read_only_is_exit_9_and_recorded(tmp_path, read_only):
+    """The checkpoints folder is not writable when the first checkpoint is due (a read-only
+    mount; as root, permissions would not stop the write): the run stops with exit 9 naming the
+    file, and its summary says failed with that error (it said nothing: error null, exit 1)."""
+    d = tmp_path / "run"
+    read_only(d / "checkpoints")
+    p = run_train([*SMALL, "trainer.max_steps=6", "ckpt.every_steps=2", f"hydra.run.dir={d}"])
+    out = one_line(p)
+    assert p.returncode == 9 and "cannot write" in out and "checkpoints" in out
+    s = json.loads((d / "summary.json").read_text())
+    assert s["status"] == "failed" and s["exit_code"] == 9 and "read-only" in s["error"].lower()
+
+
+def test_tensorboard_that_cannot_write_mid_run_warns_once_and_training_goes_on(tmp_path, read_only):
+    """TensorBoard's writer thread opens its event file again at each write; once the folder is
+    read-only it fails there. The sink is dropped with one warning (as a failing W&B is), no
+    thread traceback, the run completes and metrics.jsonl keeps every row."""
+    d = tmp_path / "run"
+    args = [*SMALL, "logger=tensorboard", "logger.flush_s=0.1", "trainer.max_steps=60"]
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
+    proc = start_session(
+        [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={d}"], ROOT, env, merge=True
+    )
+    deadline = time.time() + 120
+    while not (d / "metrics.jsonl").exists() or len(rows(d)) < 3:
+        assert proc.poll() is None and time.time() < deadline, finish(proc, 30)[0][-3000:]
+        time.sleep(0.05)
+    read_only(d / "tensorboard")
+    out, _ = finish(proc, 300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "Traceback" not in out and "Exception in thread" not in out, out[-3000:]
+    assert out.count("TensorBoard") >= 1 and "logging is off for the rest of this run" in out
+    steps = [r["step"] for r in rows(d) if "train/loss" in r]
+    assert steps[-1] == 60
+
+
+KILLED_AS_IT_RECORDS = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from conftest import compose_cfg
+from mixprec.core import files
+from mixprec.run import session
+from mixprec.train import loop
+
+def peer_died(*a, **k):  # what a rank meets when its peer is gone: gloo's error
+    raise RuntimeError("Connection closed by peer [127.0.0.1]:29500")
+
+write = files.write_atomic
+def stopped_while_writing(path, data):  # torchrun's SIGTERM, as the summary is being written
+    if path.name == "summary.json":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return write(path, data)
+
+loop.train_step = peer_died
+files.write_atomic = stopped_while_writing
+session.run(compose_cfg({args!r}, {run_dir!r}))
+"""
+
+
+def test_a_rank_stopped_as_it_records_its_failure_still_records_it(tmp_path):
+    """A rank whose peer died fails in a collective; torchrun then stops it with SIGTERM, which
+    arrived while the summary was being written (the stop handlers already gone): it left
+    .summary.json.PID.tmp and no summary. The stop now waits for the record, which names the
+    error; then the signal ends the process."""
+    d = tmp_path / "run"
+    args = [*SMALL, "trainer.max_steps=4"]
+    code = KILLED_AS_IT_RECORDS.format(tests=str(ROOT / "tests"), args=args, run_dir=str(d))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == -signal.SIGTERM, p.stderr[-3000:]  # the stop still ends it
+    s = json.loads((d / "summary.json").read_text())
+    assert s["status"] == "failed" and s["exit_code"] == 1
+    assert s["error"] == "RuntimeError: Connection closed by peer [127.0.0.1]:29500"
+    assert not list(d.glob(".summary.json.*.tmp"))

@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixprec import llama, run
+from mixprec.core.errors import ConfigError
 from mixprec.data import Context, text, tokens
 from mixprec.data.sequences import unigram_nats
-from mixprec.errors import ConfigError
+from mixprec.models import llama
+from mixprec.run import session as run
 
 from conftest import group
 
@@ -190,12 +191,12 @@ def test_compiled_blocks_train_the_lm(cfg_factory):
 def test_the_fp8_share_of_an_lm_is_its_owned_linears():
     """MFU's blended peak needs the float8 share: 6 in x out per token for each owned Linear,
     over the model's stated count (torch's counter cannot count grouped-query attention)."""
-    from mixprec import perf
-    from mixprec.tasks import LanguageModel
+    from mixprec.core.tasks import LanguageModel
+    from mixprec.models import flops
 
     model = tiny()
     owned = {f"layers.{i}.feed_forward.{w}" for i in range(2) for w in ("w1", "w2", "w3")}
-    total, fp8 = perf.train_flops(
+    total, fp8 = flops.train_flops(
         model, (32,), 64, torch.device("cpu"), None, owned, LanguageModel()
     )
     assert total == 32 * model.flops_per_token(32)

@@ -98,7 +98,7 @@ def test_the_gpu_make_targets_say_at_once_that_they_need_a_gpu(target):
 
 
 def test_a_step_schedule_that_never_steps_says_so(cfg_factory, caplog):
-    from mixprec import run
+    from mixprec.run import session as run
 
     caplog.set_level("WARNING")
     run.run(cfg_factory("scheduler=step", "trainer.max_steps=20"))  # step_size 1000 > 20 steps
@@ -106,7 +106,7 @@ def test_a_step_schedule_that_never_steps_says_so(cfg_factory, caplog):
 
 
 def test_a_resumed_runs_wall_time_counts_its_earlier_part(cfg_factory):
-    from mixprec import run
+    from mixprec.run import session as run
 
     first = cfg_factory("trainer.max_steps=40", "trainer.log_every=10")
     run.run(first)
@@ -120,7 +120,7 @@ def test_a_resumed_runs_wall_time_counts_its_earlier_part(cfg_factory):
 
 
 def test_report_cells_are_escaped_and_several_run_dirs_get_a_report_dir_of_their_own(tmp_path):
-    from mixprec import report
+    from mixprec.report import report
 
     cell = report.markdown(
         [
@@ -176,8 +176,8 @@ def test_help_shows_the_defaults_the_config_has():
 
 
 def test_the_report_says_how_much_each_rate_moved_and_when_a_ratio_is_noise():
-    from mixprec import report
-    from mixprec.report_runs import spread
+    from mixprec.report import report
+    from mixprec.report.runs import spread
 
     def run_row(name: str, precision: str, windows: list[float]) -> dict:
         curves = [{"step": i, "perf/samples_per_s": w} for i, w in enumerate([1.0, *windows])]

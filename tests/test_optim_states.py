@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixprec import optim, optim_states, precision, run
-from mixprec.errors import CheckpointError, ConfigError
+from mixprec.core.errors import CheckpointError, ConfigError
+from mixprec.optim import optimizers as optim
+from mixprec.optim import states as optim_states
+from mixprec.precision import base as precision
+from mixprec.run import session as run
 
 from conftest import group
 

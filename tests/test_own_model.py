@@ -16,9 +16,13 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import build, distributed, models, perf, run
-from mixprec.config import validate
-from mixprec.errors import ConfigError
+from mixprec import models
+from mixprec.core.errors import ConfigError
+from mixprec.models import flops
+from mixprec.parallel import distributed
+from mixprec.run import build
+from mixprec.run import session as run
+from mixprec.run.config import validate
 
 from conftest import ROOT, compose_cfg, last_weights, run_torchrun, run_train, train_losses
 
@@ -210,7 +214,7 @@ def test_the_flop_count_of_a_users_model_is_torchs_counter():
     torch.manual_seed(0)
     model = TinyConvNet(num_classes=4, in_chans=1)
     model(torch.zeros(1, 1, 8, 8))  # the lazy head gets its shape
-    total, in_head = perf.train_flops(
+    total, in_head = flops.train_flops(
         model, (1, 8, 8), 4, torch.device("cpu"), contextlib.nullcontext, {"head"}
     )
     x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 4, (16,))
@@ -283,8 +287,8 @@ def test_hugging_face_models_from_a_config_train_on_the_cpu(tmp_path, overrides)
 
 def test_an_hf_model_declares_its_head_and_blocks_and_fp8_would_keep_the_head():
     pytest.importorskip("transformers")
-    from mixprec.fp8 import eligible
-    from mixprec.tasks import LanguageModel
+    from mixprec.core.tasks import LanguageModel
+    from mixprec.precision.fp8 import eligible
 
     c = validate(compose_cfg(HF_LM))
     model = models.build(c.model, 256, (32,), torch.device("cpu"), LanguageModel())
@@ -315,7 +319,7 @@ def test_an_hf_model_declares_its_head_and_blocks_and_fp8_would_keep_the_head():
 
 def test_an_hf_config_json_of_the_users_builds_its_model(tmp_path):
     pytest.importorskip("transformers")
-    from mixprec.tasks import LanguageModel
+    from mixprec.core.tasks import LanguageModel
 
     conf = tmp_path / "config.json"
     conf.write_text(
@@ -354,7 +358,7 @@ def test_an_own_lm_and_an_hf_llama_train_in_fp8_compiled_per_block_on_the_gpu(tm
         losses = {}
         for prec in ("bf16", "fp8"):
             c = compose_cfg([*common, *over, f"precision={prec}"], tmp_path / f"{name}-{prec}")
-            with caplog.at_level("INFO", logger="mixprec.fp8"):
+            with caplog.at_level("INFO", logger="mixprec.precision.fp8"):
                 s = run.run(c)
             assert s["status"] == "completed" and s["device"].startswith("cuda"), s
             losses[prec] = s["val_loss"]

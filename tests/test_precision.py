@@ -10,9 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import build, hardware, loop, optim, precision, process
-from mixprec.config import validate
-from mixprec.step_guards import BatchNormGuard
+from mixprec.core import hardware, process
+from mixprec.optim import optimizers as optim
+from mixprec.precision import base as precision
+from mixprec.precision.step_guards import BatchNormGuard
+from mixprec.run import build
+from mixprec.run.config import validate
+from mixprec.train import loop
 
 from conftest import compose_cfg, group
 
@@ -302,10 +306,10 @@ class OverflowOnce(InfGrad):
 
 def loop_run(model, data, device, fused: bool, tmp_path, settle_late: bool = True):
     """loop.train over `data` for 8 optimizer steps, logging every 4."""
-    from mixprec.ledger import Hooks
-    from mixprec.perf import Throughput
-    from mixprec.safety import DivergenceGuard
-    from mixprec.tracking import Tracker
+    from mixprec.sinks.tracking import Tracker
+    from mixprec.train.ledger import Hooks
+    from mixprec.train.perf import Throughput
+    from mixprec.train.safety import DivergenceGuard
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
     learner = loop.Learner(
@@ -398,19 +402,20 @@ def test_flop_count_runs_no_kernel_yet_counts_what_a_real_step_counts():
     5-14 s of the start). It must count what a step on the device counts, module by module, for
     a ResNet in channels_last with mixprec's max-pool op, and run nothing there: the run's random
     stream is the same as if no count had happened."""
-    from mixprec import models, perf
-    from mixprec.tasks import CLASSIFY
+    from mixprec import models
+    from mixprec.core.tasks import CLASSIFY
+    from mixprec.models import flops
 
     cfg = validate(
         compose_cfg(["model=resnet50", "model.channels_last=true", "model.triton_max_pool=true"])
     )
     model = models.build(cfg.model, 10, (3, 32, 32), CPU)
     args = (fp32().autocast, 16, CLASSIFY, (3, 32, 32), 10)
-    on_meta = perf._flop_counts(model, torch.device("meta"), *args)
-    assert on_meta == perf._flop_counts(model, CPU, *args)
+    on_meta = flops._flop_counts(model, torch.device("meta"), *args)
+    assert on_meta == flops._flop_counts(model, CPU, *args)
     assert on_meta["Global"]  # counted at all
     before = torch.get_rng_state()
-    perf.train_flops(model, (3, 32, 32), 10, CPU, fp32().autocast)
+    flops.train_flops(model, (3, 32, 32), 10, CPU, fp32().autocast)
     assert torch.equal(torch.get_rng_state(), before)
 
 
@@ -426,16 +431,16 @@ def test_a_model_that_cannot_run_on_meta_is_counted_on_its_device():
         def forward(self, x):
             return self.lin(x.flatten(1)) * (1.0 + 0.0 * x.sum().item())
 
-    from mixprec import perf
+    from mixprec.models import flops
 
     with pytest.raises((NotImplementedError, RuntimeError)):
         Reads().to("meta")(torch.zeros(2, 3, 2, 2, device="meta"))
     linear = 2 * 12 * 10  # the input needs no gradient: forward + weight gradient
-    assert perf.train_flops(Reads(), (3, 2, 2), 10, CPU, fp32().autocast)[0] == 2 * linear
+    assert flops.train_flops(Reads(), (3, 2, 2), 10, CPU, fp32().autocast)[0] == 2 * linear
 
 
 def test_mfu_flop_count_matches_a_hand_count():
-    from mixprec import perf
+    from mixprec.models import flops
 
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
     amp = fp32()
@@ -443,10 +448,10 @@ def test_mfu_flop_count_matches_a_hand_count():
     linear = 2 * 512 * 10
     # backward: weight grads for both; input grad for the linear only (the image needs none)
     want = conv + linear + conv + 2 * linear
-    assert perf.train_flops(model, (3, 8, 8), 10, CPU, amp.autocast)[0] == want
+    assert flops.train_flops(model, (3, 8, 8), 10, CPU, amp.autocast)[0] == want
     assert all(p.grad is None for p in model.parameters())  # counted on a copy
-    assert perf.mfu(want, 1000.0, 1.0) == pytest.approx(want * 1000 / 1e12)
-    assert perf.mfu(want, 1000.0, None) is None
+    assert flops.mfu(want, 1000.0, 1.0) == pytest.approx(want * 1000 / 1e12)
+    assert flops.mfu(want, 1000.0, None) is None
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,8 @@ import numpy as np
 from PIL import Image
 from test_data import TINY
 
-from mixprec import prepare, run
+from mixprec import prepare
+from mixprec.run import session as run
 
 
 def photo(w: int, h: int, seed: int) -> Image.Image:

@@ -15,8 +15,8 @@ import shlex
 import pytest
 import yaml
 
-from mixprec import run
-from mixprec.errors import ConfigError
+from mixprec.core.errors import ConfigError
+from mixprec.run import session as run
 
 from conftest import ROOT, compose_cfg, run_train
 

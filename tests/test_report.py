@@ -14,7 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import diagnose, precision, report, report_plots
+from mixprec.diagnostics import audit as diagnose
+from mixprec.precision import base as precision
+from mixprec.report import plots as report_plots
+from mixprec.report import report
 
 from conftest import ROOT, group, run_train
 
@@ -110,7 +113,7 @@ def test_dtype_audit_and_alignment_on_a_tiny_model():
 
 
 def test_grad_histograms_see_true_not_scaled_gradients():
-    from mixprec import loop
+    from mixprec.train import loop
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -131,7 +134,7 @@ def test_grad_histograms_see_true_not_scaled_gradients():
 def test_grad_histograms_are_taken_on_logged_steps_at_their_real_step(cfg_factory):
     """diagnose=true: one histogram per logged step, at that step's number (never a skipped
     step's inf/nan gradients), continuing from the checkpoint's step after a resume."""
-    from mixprec import run
+    from mixprec.run import session as run
 
     args = [
         "hardware=cpu",
@@ -193,10 +196,10 @@ def test_a_sweep_rerun_into_its_own_dir_fails_rather_than_reports_old_results(tm
 
 
 def test_a_job_that_wrote_no_summary_is_a_failed_row(tmp_path):
-    from mixprec import summary
+    from mixprec.sinks import local
 
     (tmp_path / "0" / ".hydra").mkdir(parents=True)
     (tmp_path / "0" / ".hydra" / "config.yaml").write_text("precision: {name: bf16}\nbatch: 4\n")
-    s = summary.read(tmp_path / "0")
+    s = local.read(tmp_path / "0")
     assert (s["status"], s["precision"], s["batch"]) == ("failed", "bf16", 4)
     assert "no summary.json" in s["error"]

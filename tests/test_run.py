@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mixprec import run
+from mixprec.run import session as run
 
 from conftest import group_options, run_train
 
@@ -114,7 +114,7 @@ def test_a_wandb_failure_never_stops_training(cfg_factory, monkeypatch):
 
 
 def test_report_table_has_ratios_to_fp32(tmp_path):
-    from mixprec import report
+    from mixprec.report import report
 
     runs = [
         {
@@ -153,7 +153,7 @@ def test_mfu_is_reported_when_the_peak_is_known(cfg_factory):
 
 
 def test_report_pools_seeds():
-    from mixprec import report
+    from mixprec.report import report
 
     runs = [
         {
@@ -176,7 +176,7 @@ def test_an_in_process_sweeps_next_job_builds_without_the_last_jobs_model(cfg_fa
     process must not build and train beside them (on a GPU their memory was in its peak)."""
     import weakref
 
-    from mixprec import build
+    from mixprec.run import build
 
     alive, made = [], []
     real = build.build

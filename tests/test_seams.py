@@ -14,21 +14,17 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import (
-    build,
-    checkpoint,
-    compiling,
-    files,
-    layout,
-    loop,
-    metrics,
-    models,
-    optim,
-    precision,
-    run,
-)
-from mixprec.config import validate
-from mixprec.errors import DiskFull
+from mixprec import models
+from mixprec.checkpoint import store as checkpoint
+from mixprec.compile import compiling
+from mixprec.core import files, metrics
+from mixprec.core.errors import DiskFull
+from mixprec.optim import optimizers as optim
+from mixprec.precision import base as precision
+from mixprec.run import build, layout
+from mixprec.run import session as run
+from mixprec.run.config import validate
+from mixprec.train import loop
 
 from conftest import ROOT, compose_cfg, group, run_train
 
@@ -67,12 +63,12 @@ def test_a_precision_defined_outside_src_trains_with_train_py(tmp_path):
 
 
 def test_a_precision_plugin_that_cannot_be_imported_is_a_config_error():
-    from mixprec.errors import ConfigError
+    from mixprec.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="precision.plugin='no_such_module' cannot be imported"):
         validate(compose_cfg(["precision.plugin=no_such_module"]))
     with pytest.raises(ConfigError, match="is not a precision plugin"):
-        validate(compose_cfg(["precision.plugin=mixprec.errors"]))
+        validate(compose_cfg(["precision.plugin=mixprec.core.errors"]))
 
 
 def test_checkpoint_keys_are_plain_under_ddp_and_compile_in_any_nesting(
@@ -108,7 +104,7 @@ def test_the_build_order_converts_before_the_wrap_and_the_optimizer_sees_the_res
     (over the parameters the model ends up with: FSDP2 will replace them in the wrap)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from mixprec.distributed import Dist
+    from mixprec.parallel.distributed import Dist
 
     c = validate(compose_cfg(["model=digits_mlp", "hardware=cpu", "model.compile=true"]))
     order = []
@@ -159,7 +155,7 @@ def test_tensorboard_receives_what_metrics_jsonl_holds(tmp_path, logger):
 
 
 def test_a_logger_key_no_chosen_sink_reads_is_a_config_error():
-    from mixprec.errors import ConfigError
+    from mixprec.core.errors import ConfigError
 
     with pytest.raises(
         ConfigError,

@@ -13,9 +13,14 @@ import pytest
 import timm
 import torch
 
-from mixprec import build, checkpoint, export, loop, run, sharding
-from mixprec.config import validate
-from mixprec.errors import CheckpointError, ConfigError
+from mixprec import export
+from mixprec.checkpoint import store as checkpoint
+from mixprec.core.errors import CheckpointError, ConfigError
+from mixprec.parallel import sharding
+from mixprec.run import build
+from mixprec.run import session as run
+from mixprec.run.config import validate
+from mixprec.train import loop
 
 from conftest import LM_CPU, ROOT, group, last_weights, run_torchrun, run_train, train_losses
 
@@ -155,7 +160,7 @@ def test_a_sharded_run_resumes_on_another_world_size_with_the_same_global_batch(
 
 
 def test_another_global_batch_is_still_refused_on_resume():
-    from mixprec import checkpoint
+    from mixprec.checkpoint import store as checkpoint
 
     blob = {"state": {"layout": {"batch": 4, "accum": 2, "world": 2}}}
     checkpoint.check_fits(blob, Path("x.pt"), {"batch": 8, "accum": 2, "world": 1})  # same
@@ -275,7 +280,7 @@ def test_a_dir_holding_only_sharded_checkpoints_holds_a_run_and_overwrite_remove
     """A run dir with checkpoints/last.dcp is a run's (refused without resume or overwrite);
     overwrite removes the .dcp directories, the link and a crash's partial dir, and leaves
     what no run made."""
-    from mixprec import rundir
+    from mixprec.run import rundir
 
     ckpts = tmp_path / "checkpoints"
     for d in ("step_00000002.dcp", "step_00000004.dcp", ".step_00000006.dcp.partial"):

@@ -15,10 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixprec import compiling, models, optim, run, tuning_policy
-from mixprec.config import validate
+from mixprec import models
+from mixprec.compile import compiling
+from mixprec.core.errors import ConfigError
 from mixprec.data.loaders import prefetch, prefetch_in_thread
-from mixprec.errors import ConfigError
+from mixprec.internals import tuning_policy
+from mixprec.optim import optimizers as optim
+from mixprec.run import session as run
+from mixprec.run.config import validate
 
 from conftest import group
 
@@ -119,7 +123,7 @@ def test_an_evaluating_model_launches_its_kernels_untuned_and_training_tunes(cfg
     mode keep inductor's starting config (the first evaluation of experiment=fast spent ~14 s
     tuning on an H200): untuned while it evaluates (also after an error there), tuned while it
     trains, for the whole compiled model and for compiled blocks."""
-    from mixprec.compiling import compiled
+    from mixprec.compile.compiling import compiled
 
     torch._dynamo.reset()
     c = validate(
@@ -179,7 +183,7 @@ POOLS = [
 
 def pool_pair(args, kw, x):
     """nn.MaxPool2d's and TritonMaxPool2d's outputs and input gradients for one input."""
-    from mixprec.ops import TritonMaxPool2d
+    from mixprec.models.ops import TritonMaxPool2d
 
     got = []
     for pool in (torch.nn.MaxPool2d(*args, **kw), TritonMaxPool2d(*args, **kw)):
@@ -201,7 +205,7 @@ def test_triton_max_pool_kernels_match_aten_under_the_interpreter(tmp_path):
 import sys, torch
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from test_speed import POOLS, pool_pair
-import mixprec.ops as ops
+import mixprec.models.ops as ops
 launched, real = [], ops._launch
 ops._launch = lambda kernel, *a: launched.append(kernel) or real(kernel, *a)
 for args, kw in POOLS:
@@ -253,7 +257,7 @@ def test_triton_max_pool_op_is_nn_max_pool_and_inductor_leaves_it_alone(args, kw
     instead of an inductor kernel."""
     from torch._inductor.utils import run_and_get_code
 
-    from mixprec.ops import TritonMaxPool2d
+    from mixprec.models.ops import TritonMaxPool2d
 
     x = torch.randn(2, 8, 15, 13).contiguous(memory_format=fmt)
     (want, gwant), (got, ggot) = pool_pair(args, kw, x)
@@ -275,7 +279,7 @@ def test_triton_max_pool_op_is_nn_max_pool_and_inductor_leaves_it_alone(args, kw
 
 
 def test_triton_max_pool_swap_keeps_windows_its_int8_offsets_cannot_address():
-    from mixprec.ops import TritonMaxPool2d, use_triton_max_pool
+    from mixprec.models.ops import TritonMaxPool2d, use_triton_max_pool
 
     model = torch.nn.Sequential(
         torch.nn.MaxPool2d(3, 2, 1),
@@ -314,7 +318,7 @@ def test_counting_flops_does_not_compile_the_model_for_another_shape():
     forward first called under FlopCounterMode was never compiled afterwards: train.py with
     model.compile=true trained at eager speed (4,615 vs 6,619 img/s). Counting on the eager
     module leaves dynamo untouched until the first real batch, which it then compiles."""
-    from mixprec import perf
+    from mixprec.models import flops
 
     graphs = []
 
@@ -328,8 +332,8 @@ def test_counting_flops_does_not_compile_the_model_for_another_shape():
     )
     compiled = torch.compile(eager, backend=backend)
     cpu = torch.device("cpu")
-    flops = perf.train_flops(compiled, (3, 8, 8), 10, cpu, contextlib.nullcontext)[0]
-    assert flops == perf.train_flops(eager, (3, 8, 8), 10, cpu, contextlib.nullcontext)[0]
+    count = flops.train_flops(compiled, (3, 8, 8), 10, cpu, contextlib.nullcontext)[0]
+    assert count == flops.train_flops(eager, (3, 8, 8), 10, cpu, contextlib.nullcontext)[0]
     assert graphs == []  # nothing compiled yet: the first real batch fixes the static shape
     compiled(torch.zeros(5, 3, 8, 8))
     assert len(graphs) == 1
@@ -437,7 +441,7 @@ def test_fused_sgd_under_a_scaler_skipping_its_first_step_trains_exactly_like_fo
 
 
 def test_batch_search_leaves_cudnn_benchmark_as_it_was_even_on_error():
-    from mixprec import hardware
+    from mixprec.core import hardware
 
     before = torch.backends.cudnn.benchmark
     try:
@@ -528,7 +532,7 @@ def test_the_warm_start_fix_keeps_a_cached_tuned_config(monkeypatch):
 
     from torch._inductor.runtime import triton_heuristics as th
 
-    from mixprec import inductor_fix
+    from mixprec.internals import inductor_fix
 
     def cfg(x):
         return NS(kwargs={"XBLOCK": x}, num_warps=4, num_stages=1)
@@ -566,7 +570,7 @@ def test_the_warm_start_fix_keeps_a_cached_tuned_config(monkeypatch):
 END_WORKERS = """
 import json, logging, os, sys, time
 from pathlib import Path
-from mixprec import quick_exit
+from mixprec.internals import quick_exit
 from torch._inductor import async_compile
 
 pool = async_compile.AsyncCompile.process_pool()  # as inductor starts it to compile kernels

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixprec import run
+from mixprec.run import session as run
 
 from conftest import last_weights, run_train
 
@@ -61,7 +61,7 @@ def test_a_resume_across_a_mid_epoch_evaluation_is_bit_exact_and_time_continues(
 
 
 def seed(precision: str, n: int, losses: list[float], secs_per_step: float = 1.0, **kw):
-    from mixprec.study import Point, Seed
+    from mixprec.report.study import Point, Seed
 
     curve = [Point(10 * (i + 1), 10 * (i + 1) * secs_per_step, v) for i, v in enumerate(losses)]
     return Seed(
@@ -79,7 +79,7 @@ def seed(precision: str, n: int, losses: list[float], secs_per_step: float = 1.0
 def test_loss_matched_speedup_on_curves_with_a_known_answer():
     """bf16 takes 1 s a step, fp8 0.5 s on the same curve: 2x, whatever the seed; the target
     (the worst bf16 seed's final loss, 2.0) is met between evaluations, interpolated."""
-    from mixprec.study import analyse
+    from mixprec.report.study import analyse
 
     curve = [4.0, 3.0, 2.0]
     seeds = [seed("bf16", i, curve) for i in range(3)]
@@ -96,7 +96,7 @@ def test_loss_matched_speedup_on_curves_with_a_known_answer():
 
 
 def test_not_reached_crossing_twice_and_diverged_seeds_are_named():
-    from mixprec.study import analyse, crossing
+    from mixprec.report.study import analyse, crossing
 
     twice = seed("amp", 0, [3.0, 1.9, 2.4, 1.8]).curve  # dips under 2.0, back up, under again
     assert crossing(twice, 2.0)[0] == pytest.approx(10 + 10 * (1.0 / 1.1))  # the first crossing
@@ -111,7 +111,7 @@ def test_not_reached_crossing_twice_and_diverged_seeds_are_named():
 
 
 def test_an_interval_covering_one_is_no_difference_we_can_resolve():
-    from mixprec.study import analyse
+    from mixprec.report.study import analyse
 
     seeds = [seed("bf16", i, [3.0, 2.0], secs_per_step=s) for i, s in enumerate((1.0, 1.3, 0.8))]
     seeds += [seed("fp8", i, [3.0, 2.0], secs_per_step=s) for i, s in enumerate((0.9, 1.2, 0.85))]
@@ -155,7 +155,7 @@ def test_a_budget_sets_the_target_at_the_references_step_and_leaves_the_rest_to_
     """With equal steps a precision a hair worse per step never reaches the reference's final
     loss; with study.budget the target is the reference's (worst seed's) loss at that step, and
     the longer runs have room to reach it."""
-    from mixprec.study import analyse, loss_at
+    from mixprec.report.study import analyse, loss_at
 
     bf16 = [seed("bf16", i, [3.0, 2.5, 2.0, 1.8]) for i in range(2)]
     fp8 = [seed("fp8", i, [3.0, 2.6, 2.1, 1.9], secs_per_step=0.5) for i in range(2)]

@@ -15,7 +15,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from mixprec import tuning_ahead, tuning_policy, tuning_workers
+from mixprec.internals import tuning_ahead, tuning_policy, tuning_workers
 
 triton = pytest.importorskip("triton")
 cd = pytest.importorskip("torch._inductor.runtime.coordinate_descent_tuner")
@@ -421,3 +421,33 @@ def test_without_a_forkserver_tuning_compiles_in_the_loop(monkeypatch, caplog):
     monkeypatch.setenv(tuning_workers.ENV, "2")
     tuning_workers._start()
     assert tuning_workers.get() is None and "no compile workers" in caplog.text
+
+
+def test_every_patch_of_private_internals_has_its_switch():
+    """MIXPREC_PATCHES_OFF switches each patch off in a fresh process: inductor's tuner and
+    recheck stay torch's own, and no exit handler of mixprec's is registered."""
+    import subprocess
+    import sys
+
+    code = """
+import atexit, sys
+from torch._inductor.runtime import coordinate_descent_tuner as cd, triton_heuristics as th
+before = (th.CachingAutotuner.recheck_autotune_cache, cd.CoordescTuner.call_func)
+from mixprec.internals import inductor_fix, quick_exit, tuning_ahead
+quick_exit.install()
+print(inductor_fix.apply(), tuning_ahead.apply(), atexit._ncallbacks(),
+      before == (th.CachingAutotuner.recheck_autotune_cache, cd.CoordescTuner.call_func))
+"""
+
+    def run(off: str) -> list[str]:
+        env = {**os.environ, "MIXPREC_PATCHES_OFF": off, "MIXPREC_TUNING_WORKERS": "2"}
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return p.stdout.split()
+
+    off = run("all")
+    assert off[:2] == ["False", "False"] and off[3] == "True"
+    on = run("")
+    assert on[1] == "True" and on[3] == "False"  # the tuner is wrapped when the switch is on
+    without_exit = run("quick_exit")  # one name switches one patch: the tuner is still wrapped
+    assert without_exit[1] == "True" and int(on[2]) == int(without_exit[2]) + 1

@@ -36,7 +36,7 @@ class OptunaSweeper(Sweeper):
         except ValueError as e:
             if "No trials are completed yet" not in str(e):
                 raise
-        from mixprec import sweep
+        from mixprec.report import sweep
 
         failed = sweep.failures(self.sweep_dir)
         sweep.ReportCallback.write_report(self.sweep_dir)

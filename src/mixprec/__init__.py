@@ -1,3 +1,30 @@
-"""mixprec: measure what mixed precision buys on your GPU, through one Hydra-configured loop."""
+"""mixprec: measure what mixed precision buys on your GPU, through one Hydra-configured loop.
+
+The code lives in subpackages by concern, on floors: a module may import its own subpackage and
+any subpackage on a lower floor, never one on its own floor or above (tests/test_layers.py checks
+every import, lazy ones included). The entry points at this level (diagnose, export, prepare,
+study, sync: `python -m mixprec.<name>`) sit above them all.
+
+  0 core          errors, atomic files, plugin schemas and targets, metrics, tasks, hardware
+  1 models data optim parallel internals
+                  what is trained, on what, by which optimizer, across which ranks; patches of
+                  torch's private internals behind version gates
+  2 precision checkpoint compile sinks
+                  the precision plugins, checkpoints, torch.compile, the loggers
+  3 diagnostics   the precision doctor and the dtype audit
+  4 train         the loop, each step's ledger, batch=auto's search, stop signals, throughput
+  5 report        reading run dirs: the sweep report, its plots, the time-to-quality study
+  6 run           the config schema, the builder and a run's life in its run dir
+"""
 
 __version__ = "0.1.0"
+
+FLOORS = (
+    ("core",),
+    ("models", "data", "optim", "parallel", "internals"),
+    ("precision", "checkpoint", "compile", "sinks"),
+    ("diagnostics",),
+    ("train",),
+    ("report",),
+    ("run",),
+)

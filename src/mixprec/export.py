@@ -12,8 +12,10 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, checkpoint_dcp, files
-from .errors import MixprecError
+from mixprec.checkpoint import dcp as checkpoint_dcp
+from mixprec.checkpoint import store as checkpoint
+from mixprec.core import files
+from mixprec.core.errors import MixprecError
 
 
 def export(source: str, dtype: str | None = None, out: Path | None = None) -> tuple[Path, dict]:

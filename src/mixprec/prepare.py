@@ -28,8 +28,8 @@ from PIL import Image
 from torchvision.datasets.folder import IMG_EXTENSIONS
 from tqdm import tqdm
 
-from .data.images import classes
-from .errors import ConfigError, DataError, MixprecError
+from mixprec.core.errors import ConfigError, DataError, MixprecError
+from mixprec.data.images import classes
 
 log = logging.getLogger("mixprec.prepare")
 

@@ -11,8 +11,8 @@ import torch
 from omegaconf import MISSING
 from torch import nn
 
-from mixprec.errors import check
-from mixprec.precision import Precision, PrecisionConfig
+from mixprec.core.errors import check
+from mixprec.precision.base import Precision, PrecisionConfig
 
 
 @dataclass

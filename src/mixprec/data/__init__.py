@@ -5,6 +5,8 @@ shape) without loading anything, and `build(cfg, ctx)` -> Data. `data=<name>` pi
 Every training loader has the same small interface: `len()` micro-batches per epoch,
 `set_epoch(epoch, skip)` to fix the epoch's order and resume part-way through it, and iteration
 yielding (inputs, targets) already on the training device in the model's memory format.
+
+May import: core.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import pkgutil
 from types import ModuleType
 from typing import Any
 
-from .. import schema
-from ..errors import ConfigError, nearest
-from .base import Context, Data, Workers
+from mixprec.core import schema
+from mixprec.core.errors import ConfigError, nearest
+from mixprec.data.base import Context, Data, Workers
 
 __all__ = ["Context", "Data", "Workers", "names", "parse", "spec", "task", "build"]
 
@@ -63,7 +65,7 @@ def spec(cfg: Any) -> tuple[int, tuple[int, ...]]:
 def task(cfg: Any):
     """What a model learns from this dataset (tasks.py): its module's task(cfg) or TASK, else
     classification."""
-    from ..tasks import CLASSIFY
+    from mixprec.core.tasks import CLASSIFY
 
     module = module_for(cfg)
     return module.task(cfg) if hasattr(module, "task") else getattr(module, "TASK", CLASSIFY)

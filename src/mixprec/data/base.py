@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from ..tasks import CLASSIFY, Task
+from mixprec.core.tasks import CLASSIFY, Task
 
 
 class TrainLoader(Protocol):

@@ -10,9 +10,9 @@ from omegaconf import MISSING
 from torchvision import datasets
 from torchvision import transforms as T
 
-from ..errors import ConfigError, check
-from .base import Context, Data
-from .images import loaders, subset
+from mixprec.core.errors import ConfigError, check
+from mixprec.data.base import Context, Data
+from mixprec.data.images import loaders, subset
 
 STATS = ([0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616])
 

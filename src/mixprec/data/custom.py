@@ -20,11 +20,11 @@ from typing import Any, Dict, Optional
 import torch
 from omegaconf import MISSING
 
-from .. import targets
-from ..errors import ConfigError, check
-from ..tasks import CLASSIFY, LanguageModel
-from .base import Context, Data
-from .loaders import EpochLoader
+from mixprec.core import targets
+from mixprec.core.errors import ConfigError, check
+from mixprec.core.tasks import CLASSIFY, LanguageModel
+from mixprec.data.base import Context, Data
+from mixprec.data.loaders import EpochLoader
 
 
 @dataclass

@@ -9,9 +9,9 @@ import torch
 from omegaconf import MISSING
 from torch.utils.data import TensorDataset
 
-from ..errors import check
-from .base import Context, Data
-from .loaders import EpochLoader
+from mixprec.core.errors import check
+from mixprec.data.base import Context, Data
+from mixprec.data.loaders import EpochLoader
 
 NUM_CLASSES, INPUT_SHAPE = 10, (1, 8, 8)
 

@@ -11,9 +11,9 @@ from typing import Optional
 from omegaconf import MISSING
 from torchvision.transforms import v2
 
-from ..errors import ConfigError, check, one_of
-from .base import Context, Data
-from .images import (
+from mixprec.core.errors import ConfigError, check, one_of
+from mixprec.data.base import Context, Data
+from mixprec.data.images import (
     CheckedImageFolder,
     DeviceDecode,
     JpegCrops,
@@ -23,7 +23,7 @@ from .images import (
     loaders,
     subset,
 )
-from .loaders import Normalize
+from mixprec.data.loaders import Normalize
 
 STATS = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 

@@ -24,9 +24,9 @@ from torchvision import datasets, io
 from torchvision import transforms as T
 from torchvision.transforms import v2
 
-from ..errors import ConfigError, DataError
-from .base import Context
-from .loaders import EpochLoader, Normalize
+from mixprec.core.errors import ConfigError, DataError
+from mixprec.data.base import Context
+from mixprec.data.loaders import EpochLoader, Normalize
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .base import Context
-from .workers import Seeded, quiet_worker, signals_held, start_method, stop_workers
+from mixprec.data.base import Context
+from mixprec.data.workers import Seeded, quiet_worker, signals_held, start_method, stop_workers
 
 
 def to_device(batch, device: torch.device, fmt: torch.memory_format):

@@ -13,8 +13,8 @@ import math
 import numpy as np
 import torch
 
-from ..errors import ConfigError
-from .base import Context, Data
+from mixprec.core.errors import ConfigError
+from mixprec.data.base import Context, Data
 
 
 def windows(n_tokens: int, seq_len: int) -> int:

@@ -9,8 +9,8 @@ from typing import List
 import torch
 from omegaconf import MISSING
 
-from ..errors import check
-from .base import Context, Data
+from mixprec.core.errors import check
+from mixprec.data.base import Context, Data
 
 
 @dataclass

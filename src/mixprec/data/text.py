@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 from omegaconf import MISSING
 
-from ..errors import check
-from ..tasks import LanguageModel
-from .base import Context, Data
-from .sequences import need_windows, token_data, unigram_nats
+from mixprec.core.errors import check
+from mixprec.core.tasks import LanguageModel
+from mixprec.data.base import Context, Data
+from mixprec.data.sequences import need_windows, token_data, unigram_nats
 
 log = logging.getLogger("mixprec.data")
 VOCAB = 256

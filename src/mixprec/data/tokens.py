@@ -14,10 +14,10 @@ from typing import Optional
 import numpy as np
 from omegaconf import MISSING
 
-from ..errors import ConfigError, check, one_of
-from ..tasks import LanguageModel
-from .base import Context, Data
-from .sequences import need_windows, token_data
+from mixprec.core.errors import ConfigError, check, one_of
+from mixprec.core.tasks import LanguageModel
+from mixprec.data.base import Context, Data
+from mixprec.data.sequences import need_windows, token_data
 
 log = logging.getLogger("mixprec.data")
 TASK = LanguageModel()  # bytes per token unknown: perplexity, no bits per byte

@@ -66,7 +66,7 @@ def start_method():
 
     kept = getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", ["__main__"])
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(dict.fromkeys(["mixprec.run", *kept])))
+    context.set_forkserver_preload(list(dict.fromkeys(["mixprec.run.session", *kept])))
     return context
 
 

@@ -6,7 +6,10 @@
 
 build() gives every source the same treatment: made on its device, materialised by one forward
 on zeros (lazy layers, and a model that cannot take the data says so), its output checked
-against the data's task, then checkpointing, memory format and the Triton max-pool."""
+against the data's task, then checkpointing, memory format and the Triton max-pool.
+
+May import: core.
+"""
 
 from __future__ import annotations
 
@@ -21,11 +24,17 @@ from omegaconf import MISSING
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from .. import llama, targets, tasks  # llama: registers mixprec_llama with timm
-from ..errors import ConfigError, check, one_of
-from ..ops import use_triton_max_pool
-from . import zoo  # noqa: F401  (registers mixprec_digits_cnn / _mlp with timm)
-from .parts import blocks_of, checkpoint_blocks, head_of, outermost, repeated_blocks
+from mixprec.core import (
+    targets,
+    tasks,  # llama: registers mixprec_llama with timm
+)
+from mixprec.core.errors import ConfigError, check, one_of
+from mixprec.models import (
+    llama,
+    zoo,  # noqa: F401  (registers mixprec_digits_cnn / _mlp with timm)
+)
+from mixprec.models.ops import use_triton_max_pool
+from mixprec.models.parts import blocks_of, checkpoint_blocks, head_of, outermost, repeated_blocks
 
 __all__ = ["ModelConfig", "HFConfig", "build", "unwrap", "head_of", "blocks_of", "repeated_blocks"]
 log = logging.getLogger(__name__)
@@ -176,7 +185,7 @@ def _create(mcfg: ModelConfig, num_classes: int, input_shape, task) -> nn.Module
     """The model from its source, before anything mixprec does to it."""
     lm = task.name == "lm"
     if mcfg.source == "hf":
-        from . import hf
+        from mixprec.models import hf
 
         return hf.build(mcfg.hf.config, dict(mcfg.hf.overrides), task, num_classes, input_shape)
     if mcfg.source == "target":

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import ConfigError
-from .parts import blocks_of
+from mixprec.core.errors import ConfigError
+from mixprec.models.parts import blocks_of
 
 INSTALL = "pip install -e '.[hf]' (or pip install transformers)"
 

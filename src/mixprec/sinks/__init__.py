@@ -6,6 +6,8 @@ multi-select) switches on both, `logger=none` none. A sink module has a `Config`
 it alone reads), a `Sink` (the class the Tracker writes to) and `FILES` (what it keeps in the
 run dir). Adding a backend is one module here and one YAML in conf/logger/. The local files
 (metrics.jsonl, summary.json: sinks/local.py) are written always: they are the contract.
+
+May import: core, optim (describe.py: what ran, as the dashboards' config).
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..errors import ConfigError, nearest
-from ..schema import structured
-from ..tracking import dropped
+from mixprec.core.errors import ConfigError, nearest
+from mixprec.core.schema import structured
+from mixprec.sinks.tracking import dropped
 
 ALWAYS = "local"  # metrics.jsonl and summary.json: on whatever logger= says
 

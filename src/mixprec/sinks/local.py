@@ -6,13 +6,75 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
-from .. import files
+from mixprec.core import files
+from mixprec.core.errors import MixprecError
 
 log = logging.getLogger(__name__)
 FILES = ("metrics.jsonl", "summary.json")
+
+
+# summary.json: its keys, and the one way it is made, written and read (run/summary.py fills it)
+CONTRACT = (
+    "status",
+    "precision",
+    "batch",
+    "accum",
+    "effective_batch",
+    "world_size",
+    "steps",
+    "samples_per_s",
+    "peak_mem_gib",
+    "val_acc1",
+    "skipped_steps",
+    "loss_scale",
+    "mfu",
+    "wall_s",
+)
+
+
+def make(error: MixprecError | None = None, /, **values: Any) -> dict:
+    """The summary: the contract's keys first (null where unknown), then the rest; a run that
+    ended with an error carries its message and exit code."""
+    out = {k: values.pop(k, None) for k in CONTRACT}
+    out.update(values)
+    if error is not None:
+        out.update(error=str(error), exit_code=error.exit_code)
+    return out
+
+
+def write(run_dir: Path, summary: dict) -> None:
+    files.write_json(run_dir / "summary.json", summary)
+
+
+def read(run_dir: Path) -> dict:
+    """A run dir's summary; for a job that never wrote one (it failed before training, or the
+    file is torn), a failed summary from its Hydra config."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        import yaml
+
+        path = run_dir / ".hydra" / "config.yaml"
+        cfg = (yaml.safe_load(path.read_text()) if path.exists() else None) or {}
+        return make(
+            status="failed",
+            precision=(cfg.get("precision") or {}).get("name"),
+            batch=cfg.get("batch"),
+            error="no summary.json (see the job's train.log)",
+        )
+
+
+def number(v: Any) -> float | None:
+    """A summary value as a finite float, else None (null, "nan" strings, text)."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
 
 
 class Sink:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import dataclass
 
 from omegaconf import MISSING
 
-from ..errors import ConfigError, check
+from mixprec.core.errors import ConfigError, check
 
 FILES = ("tensorboard",)
 
@@ -39,6 +40,7 @@ class Sink:
                 "logger=tensorboard needs the tensorboard package: pip install -e "
                 "'.[tensorboard]' (make installs it)"
             ) from None
+        before = set(threading.enumerate())
         self.writer = SummaryWriter(
             log_dir=str(ctx.run_dir / "tensorboard"),
             # events from the checkpoint's step on are logged again (its evaluation too, unless
@@ -46,9 +48,27 @@ class Sink:
             purge_step=None if ctx.resume_step is None else ctx.resume_step + ctx.resume_evaluated,
             flush_secs=cfg.flush_s,
         )
+        # its writer thread opens the event file again at each write: a folder that stops being
+        # writable fails there. That failure is this sink's (the next call raises it, and the
+        # tracker drops TensorBoard with one warning), not a traceback on the console.
+        self.failure: BaseException | None = None
+        self._threads = set(threading.enumerate()) - before
+        self._hook, threading.excepthook = threading.excepthook, self._thread_failed
         self.writer.add_text("config", "```\n" + json.dumps(ctx.config, indent=1) + "\n```")
 
+    def _thread_failed(self, args) -> None:
+        if args.thread in self._threads:
+            self.failure = args.exc_value
+        else:
+            self._hook(args)
+
+    def _check(self) -> None:
+        if self.failure is not None:  # the tracker drops this sink: nothing more will call it
+            threading.excepthook = self._hook
+            raise self.failure
+
     def log(self, row: dict) -> None:
+        self._check()
         step = row["step"]
         for key, value in row.items():
             if (
@@ -79,4 +99,8 @@ class Sink:
         self.writer.flush()
 
     def close(self, status: str) -> None:
-        self.writer.close()
+        try:
+            self._check()
+            self.writer.close()
+        finally:
+            threading.excepthook = self._hook

@@ -20,8 +20,8 @@ from typing import List, Optional
 
 from omegaconf import MISSING
 
-from .. import files, launch
-from ..errors import check, one_of
+from mixprec.core import files, launch
+from mixprec.core.errors import check, one_of
 
 log = logging.getLogger(__name__)
 FILES = ("wandb", "wandb.json")

@@ -1,0 +1,136 @@
+"""torch.compile and CUDA graphs for a built model (build.assemble calls `compiled` after the
+parallel wrap): the whole model as one graph, or each repeated block in place
+(compile_scope=blocks: regional compilation), with inductor options on top of a mode; and
+model.cuda_graphs, forward and backward captured once and replayed."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from mixprec.core.errors import ConfigError
+from mixprec.internals import inductor_fix, tuning_ahead, tuning_policy
+from mixprec.models import ModelConfig, blocks_of, unwrap
+from mixprec.models.parts import repeated_blocks  # noqa: F401  (tests and benchmarks use it here)
+
+log = logging.getLogger("mixprec.models")
+# compile_scope=blocks: one graph per distinct block shape (ResNet-50: 8)
+BLOCK_RECOMPILE_LIMIT = 64
+
+
+def compiled(model: nn.Module, mcfg: ModelConfig) -> nn.Module:
+    """torch.compile as configured, over the (possibly wrapped) model: the whole of it, or each
+    repeated block in place (compile_scope=blocks). Returns the model to train."""
+    if not mcfg.compile:
+        if mcfg.compile_options:  # e.g. experiment=fast model.compile=false: the eager baseline
+            log.info(
+                "model.compile=false: model.compile_options %s unused", dict(mcfg.compile_options)
+            )
+        return model
+    inductor_fix.apply()  # torch <= 2.11: a warm start would tune every kernel again
+    tuning_ahead.apply()  # coordinate-descent tuning's candidates compiled in parallel
+    t0 = time.perf_counter()
+    if mcfg.compile_scope == "blocks":
+        blocks = compile_blocks(
+            unwrap(model), mcfg.label, mcfg.compile_mode, dict(mcfg.compile_options)
+        )
+        what = f"{len(blocks)} repeated blocks ({type(blocks[0]).__name__}) one by one"
+    else:
+        model = compile_model(model, mcfg.compile_mode, dict(mcfg.compile_options))
+        what = "the model"
+    if mcfg.compile_options.get("coordinate_descent_tuning"):
+        untuned_while_evaluating(model if mcfg.compile_scope == "model" else unwrap(model))
+    log.info(
+        "model.compile: torch.compile(mode=%s, options=%s) wraps %s in %.1fs; the first "
+        "steps compile (excluded from samples_per_s by trainer.perf_warmup_steps)",
+        mcfg.compile_mode,
+        dict(mcfg.compile_options),
+        what,
+        time.perf_counter() - t0,
+    )
+    return model
+
+
+def compile_kwargs(mode: str | None, options: dict) -> dict:
+    """torch.compile's arguments for a mode and, on top of it, inductor options
+    (model.compile_options, e.g. conv_1x1_as_mm). torch.compile takes a mode or options, not
+    both, so the mode's own options (torch._inductor.list_mode_options) go under the user's."""
+    if not options:
+        return {"mode": mode}
+    from torch import _inductor
+
+    return {"options": {**_inductor.list_mode_options(mode or "default"), **options}}
+
+
+def compile_model(model: nn.Module, mode: str | None, options: dict) -> nn.Module:
+    """torch.compile(model) with compile_kwargs(mode, options)."""
+    try:
+        return torch.compile(model, **compile_kwargs(mode, options))
+    except RuntimeError as e:  # torch names every known option; keep the message short
+        raise ConfigError(
+            f"model.compile_options: {str(e).split(', known options')[0]} "
+            "(allowed: the keys of torch._inductor.config)"
+        ) from None
+
+
+def untuned_while_evaluating(model: nn.Module) -> None:
+    """Kernels first launched while `model` (called eagerly: the compiled wrapper, or the
+    model whose blocks are compiled) runs in eval mode skip coordinate-descent tuning
+    (tuning_policy.begin_untuned): an evaluation's kernels are a small share of a run's time,
+    and tuning them cost ~14 s of experiment=fast's cold start on an H200."""
+
+    def before(m: nn.Module, args) -> None:
+        if not m.training:
+            tuning_policy.begin_untuned()
+
+    def after(m: nn.Module, args, out) -> None:
+        if not m.training:
+            tuning_policy.end_untuned()
+
+    model.register_forward_pre_hook(before)
+    model.register_forward_hook(after, always_call=True)
+
+
+def compile_blocks(model: nn.Module, name: str, mode: str | None, options: dict) -> list[nn.Module]:
+    """model.compile_scope=blocks (regional compilation): each repeated block is compiled in
+    place (nn.Module.compile: the state_dict keeps its names) with static shapes; identical
+    blocks share one compiled graph, so a 24-block ViT compiles one block instead of 24. The
+    rest of the model (stem, head) runs eagerly. Each distinct block shape is one recompile:
+    process.apply raises dynamo's limit to BLOCK_RECOMPILE_LIMIT for this scope."""
+    blocks = blocks_of(model)
+    if not blocks:
+        raise ConfigError(
+            f"model.compile_scope=blocks: {name} has no repeated blocks (a Sequential "
+            "or ModuleList of one block class, or what the model declares in mixprec_blocks "
+            "or model.blocks=GLOB); use model.compile_scope=model"
+        )
+    kwargs = compile_kwargs(mode, options)
+    for block in blocks:
+        block.compile(dynamic=False, **kwargs)
+    return blocks
+
+
+def capture_graphs(model: nn.Module, example: torch.Tensor, prec) -> nn.Module:
+    """model.cuda_graphs: forward and backward captured once as CUDA graphs
+    (torch.cuda.make_graphed_callables) and replayed every training step, so the CPU launches
+    one graph instead of hundreds of kernels. Evaluation (model.eval()) runs the eager forward.
+    `prec` must be built with cache=False (torch: no autocast cast cache around graphs)."""
+    if example.device.type != "cuda":
+        raise ConfigError(
+            "model.cuda_graphs=true captures CUDA graphs and needs a GPU; set it false on the CPU"
+        )
+    if prec.cache:
+        raise ValueError("capture_graphs needs a precision built with cache=False")
+    t0 = time.perf_counter()
+    with prec.autocast():
+        graphed = torch.cuda.make_graphed_callables(model, (example,))
+    log.info(
+        "model.cuda_graphs: forward+backward captured for a batch of %d in %.1fs (3 warm-up "
+        "passes); every training step now replays them",
+        len(example),
+        time.perf_counter() - t0,
+    )
+    return graphed

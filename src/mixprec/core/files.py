@@ -1,0 +1,178 @@
+"""Writing a file whole or not at all: the one write-to-temp-then-rename of the project.
+
+A reader (a resume, the report, a second process) sees the old file or the new one, never half
+of one: the bytes go to a temp file beside the target, are fsync'ed, renamed over the target, and
+the directory entry is fsync'ed too, so a power loss right after the rename keeps the new file.
+A failure on the way (a full disk) removes the temp file and leaves the target as it was; a
+full disk is a DiskFull error naming the file (exit 8), a folder that cannot be written (a
+read-only filesystem, no permission) an Unwritable error naming it (exit 9), not a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator
+
+from mixprec.core.errors import DiskFull, MixprecError, Unwritable
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
+NEARLY_FULL = 1 << 20  # bytes: torch.save reports a full disk as a RuntimeError, so look
+
+
+def write_atomic(path: Path, write: Callable[[IO[bytes]], Any] | bytes | str) -> Path:
+    """Replace `path` with what `write(f)` writes into a binary file (or with the given bytes or
+    text), atomically and durably."""
+    if isinstance(write, (bytes, str)):
+        data = write.encode() if isinstance(write, str) else write
+        write = lambda f: f.write(data)  # noqa: E731
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        full = isinstance(e, Exception) and disk_full(e, path.parent)  # before the temp goes
+        with contextlib.suppress(OSError):  # a read-only filesystem refuses even this
+            tmp.unlink(missing_ok=True)
+        if full:
+            raise no_space(path) from None
+        if denied(e):
+            raise not_writable(path, e) from None
+        raise
+    sync_dir(path.parent)
+    return path
+
+
+@contextmanager
+def space_checked(path: Path) -> Iterator[None]:
+    """A full disk while writing `path` in this block is DiskFull naming it; a folder that
+    cannot be written, Unwritable."""
+    try:
+        yield
+    except OSError as e:
+        if disk_full(e, path.parent):
+            raise no_space(path) from None
+        if denied(e):
+            raise not_writable(path, e) from None
+        raise
+
+
+@contextmanager
+def cli_errors(out: Path) -> Iterator[None]:
+    """A command line tool's writes into `out`: a full disk or a folder it cannot write is one
+    line and its exit code (8, 9), as any MixprecError is, not a traceback."""
+    try:
+        with space_checked(out / "_"):
+            yield
+    except MixprecError as e:
+        print(f"{e.label}: {e}", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+
+
+def denied(e: BaseException) -> bool:
+    """An error that says the place cannot be written (read-only, no permission), here or as
+    the cause of another (torch.save wraps it in a RuntimeError)."""
+    return any(
+        isinstance(x, OSError) and x.errno in DENIED for x in (e, e.__cause__, e.__context__)
+    )
+
+
+def not_writable(path: Path, e: BaseException) -> Unwritable:
+    why = next(
+        (x.strerror for x in (e, e.__cause__, e.__context__) if isinstance(x, OSError)), str(e)
+    )
+    return Unwritable(
+        f"cannot write {path} ({why}); make its folder writable or move the run "
+        "(hydra.run.dir), then resume=auto continues from the last checkpoint"
+    )
+
+
+def writable_dir(path: Path) -> str | None:
+    """Why a folder (made if missing) cannot hold a run's files, without making anything: the
+    nearest part of it that exists is a file, or is on a read-only filesystem or not writable;
+    None when it can."""
+    path = Path(path).absolute()
+    there = next((p for p in (path, *path.parents) if p.exists()), None)
+    if there is None:
+        return None
+    if not there.is_dir():
+        return f"{there} is a file, not a folder"
+    if not os.access(there, os.W_OK | os.X_OK):
+        read_only = os.statvfs(there).f_flag & os.ST_RDONLY
+        return f"{there} is on a read-only filesystem" if read_only else f"{there} is not writable"
+    return None
+
+
+def disk_full(e: BaseException, directory: Path) -> bool:
+    """An OSError that says so (ENOSPC, a quota), or any write error with the disk nearly full."""
+    chain = [e, e.__cause__, e.__context__]
+    if any(isinstance(x, OSError) and x.errno in FULL for x in chain):
+        return True
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < NEARLY_FULL
+
+
+def no_space(path: Path) -> DiskFull:
+    try:
+        st = os.statvfs(path.parent)
+        free = f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return DiskFull(
+        f"no space left to write {path} ({free}); free some space or move the run "
+        "(hydra.run.dir), then resume=auto continues from the last checkpoint"
+    )
+
+
+def link_atomic(target: Path, path: Path) -> Path:
+    """Make `path` a hard link to `target`, replacing what was there in one rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    os.link(target, tmp)
+    os.replace(tmp, path)
+    sync_dir(path.parent)
+    return path
+
+
+def sync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def plain(v: Any) -> Any:
+    """JSON for what json does not take: tensors/numpy scalars by value, inf/nan as strings
+    (JSON has neither; every line stays valid JSON), anything else as its str."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v.item() if hasattr(v, "item") else str(v)
+
+
+def finite(obj: Any) -> Any:
+    """inf/nan as strings, in nested dicts and lists too (the doctor's findings)."""
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [finite(v) for v in obj]
+    return plain(obj) if isinstance(obj, float) and not math.isfinite(obj) else obj
+
+
+def write_json(path: Path, obj: Any) -> Path:
+    """`obj` as indented JSON, atomically (summary.json, wandb.json, caches)."""
+    text = json.dumps(finite(obj), indent=2, default=plain)
+    return write_atomic(path, text + "\n")

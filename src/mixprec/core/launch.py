@@ -1,0 +1,103 @@
+"""What Hydra tells a job about how it was launched: single run or multirun, the sweep dir,
+the overrides typed, and whether the job has a process of its own (a submitit job). Read here
+only, so the rest of mixprec works the same from a script or a notebook (no Hydra: a single run
+with no overrides)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from hydra.experimental.callback import Callback
+
+from mixprec.core import files
+from mixprec.core.errors import ConfigError, Unwritable
+
+
+def hydra_config():
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get() if HydraConfig.initialized() else None
+
+
+def multirun() -> bool:
+    hc = hydra_config()
+    return hc is not None and str(hc.mode) == "RunMode.MULTIRUN"
+
+
+def own_process() -> bool:
+    """This job runs in a process of its own (a submitit job: SLURM, or hydra/launcher=local)."""
+    return "SUBMITIT_EXECUTOR" in os.environ
+
+
+def sweep_dir() -> Path | None:
+    hc = hydra_config()
+    return Path(hc.sweep.dir) if multirun() else None
+
+
+def job_name(run_dir: Path) -> str:
+    """The job's overrides as one string (`precision=amp,batch=64`), else its run dir's name."""
+    hc = hydra_config()
+    return (hc.job.override_dirname if hc else "") or Path(run_dir).name
+
+
+def task_overrides() -> list[str]:
+    hc = hydra_config()
+    return list(hc.overrides.task) if hc else []
+
+
+def hydra_files(cfg) -> dict[str, str]:
+    """What Hydra writes into `.hydra/` (config.yaml, hydra.yaml, overrides.yaml), as text;
+    empty outside Hydra (a script, or torchrun's other ranks)."""
+    from omegaconf import OmegaConf
+
+    hc = hydra_config()
+    if hc is None:
+        return {}
+    return {
+        "config.yaml": OmegaConf.to_yaml(cfg),
+        "hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": hc})),
+        "overrides.yaml": OmegaConf.to_yaml(OmegaConf.create(list(hc.overrides.task))),
+    }
+
+
+@contextmanager
+def config_errors_exit_2() -> Iterator[None]:
+    """Hydra's own config errors (a type: `seed=1.5`; an unknown option: `precision=fp9`; an
+    override it cannot parse) exit with mixprec's config-error code, 2, not Hydra's 1. Hydra
+    prints them and calls sys.exit(1) while handling them, so the SystemExit carries the error
+    as its __context__; with HYDRA_FULL_ERROR=1 the error itself arrives."""
+    from hydra.errors import CompactHydraException
+
+    try:
+        yield
+    except SystemExit as stop:
+        if stop.code == 1 and isinstance(stop.__context__, CompactHydraException):
+            raise SystemExit(ConfigError.exit_code) from None
+        raise
+    except CompactHydraException:
+        traceback.print_exc()
+        sys.exit(ConfigError.exit_code)
+
+
+class WritableRunDir(Callback):
+    """Before Hydra makes the run dir (or a multirun's sweep dir) and writes its .hydra/ and
+    train.log there: a dir that cannot be written (a read-only filesystem, a file where the folder
+    should be, no permission) is one line and exit 9, not Hydra's traceback and exit 1."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        _check_dir("hydra.run.dir", config.hydra.run.dir)
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        _check_dir("hydra.sweep.dir", config.hydra.sweep.dir)
+
+
+def _check_dir(key: str, path: str) -> None:
+    why = files.writable_dir(Path(path))
+    if why:
+        print(f"{Unwritable.label}: {key}={path}: {why}", file=sys.stderr)
+        sys.exit(Unwritable.exit_code)

@@ -1,0 +1,80 @@
+"""The one place that changes process-wide state: TF32, cuDNN autotuning, the GPU memory cap,
+dynamo's recompile limit and autograd's anomaly mode. Builders (precision, models, batch probes)
+return values and never flip a global switch; build.py derives these Settings from the config
+and applies them once, before anything is built, so a batch probe runs under the same switches as
+training and a second run in the same process starts from its own settings."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from mixprec.core.errors import ConfigError
+
+log = logging.getLogger("mixprec")
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Settings:
+    tf32: bool  # TF32 tensor cores for fp32 matmuls and convolutions (the precision's)
+    cudnn_benchmark: bool  # cuDNN times its algorithms per new shape (the hardware profile's)
+    memory_gib: float | None  # cap this process's GPU memory (emulate a smaller card)
+    profile: str  # the hardware profile, for messages
+    recompile_limit: int | None  # dynamo's recompile limit (compile_scope=blocks needs more)
+    detect_anomaly: bool  # autograd anomaly mode (debug.detect_anomaly)
+
+
+def apply(s: Settings, device: torch.device) -> None:
+    set_tf32(s.tf32)
+    torch.autograd.set_detect_anomaly(s.detect_anomaly)
+    if s.recompile_limit is not None:
+        limits = torch._dynamo.config
+        key = "recompile_limit" if hasattr(limits, "recompile_limit") else "cache_size_limit"
+        setattr(limits, key, max(getattr(limits, key), s.recompile_limit))
+    if device.type != "cuda":
+        return
+    torch.backends.cudnn.benchmark = s.cudnn_benchmark
+    log.info(
+        "cudnn.benchmark=%s (%s)",
+        s.cudnn_benchmark,
+        "cuDNN times its algorithms for each new shape"
+        if s.cudnn_benchmark
+        else "cuDNN's heuristics",
+    )
+    if s.memory_gib is not None:
+        cap_memory(s.memory_gib, s.profile, device)
+
+
+def set_tf32(enabled: bool) -> None:
+    """TF32 for fp32 matmuls and convolutions; explicit both ways (cuDNN defaults to on)."""
+    mode = "tf32" if enabled else "ieee"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9: the new API only
+        torch.backends.cuda.matmul.fp32_precision = mode
+        torch.backends.cudnn.conv.fp32_precision = mode
+        torch.backends.cudnn.rnn.fp32_precision = mode
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+def tf32_enabled() -> bool:
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        return torch.backends.cuda.matmul.fp32_precision == "tf32"
+    return torch.backends.cuda.matmul.allow_tf32
+
+
+def cap_memory(memory_gib: float, profile: str, device: torch.device) -> None:
+    """Emulate a smaller card: this process may use at most memory_gib of the GPU."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(device).total_memory / GIB
+    if memory_gib > total * 1.02:  # datasheet GB vs GiB rounding
+        raise ConfigError(
+            f"hardware={profile} wants {memory_gib:g} GiB but this GPU "
+            f"({torch.cuda.get_device_name(device)}) has {total:.1f} GiB; "
+            "lower hardware.memory_gib or pick a smaller profile"
+        )
+    torch.cuda.set_per_process_memory_fraction(min(1.0, memory_gib / total), device)

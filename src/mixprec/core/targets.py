@@ -1,0 +1,84 @@
+"""Your own code as a plugin: `pkg.module:callable` strings (`model.target`, `data.target`),
+imported from PYTHONPATH or a folder the config names (`model.path`, `data.path`), called with
+the config's kwargs plus the run's facts its signature asks for by name."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from mixprec.core.errors import ConfigError
+
+TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def check_target(key: str, target: str | None) -> None:
+    if target is not None and not TARGET.match(target):
+        raise ConfigError(
+            f"{key}={target!r} is not allowed; it must be 'package.module:callable' "
+            "(e.g. mynets:TinyNet, a module on PYTHONPATH or in the folder named by "
+            f"{key.rsplit('.', 1)[0]}.path)"
+        )
+
+
+def add_path(folder: str | None) -> None:
+    """Put a user's folder first on the module path, here and in every process started later
+    (DataLoader workers from a forkserver import the dataset's module anew)."""
+    if not folder:
+        return
+    path = str(Path(folder).expanduser().resolve())
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    parts = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if path not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([path, *filter(None, parts)])
+
+
+def load(key: str, target: str, folder: str | None) -> Callable:
+    """The callable `target` names; a ConfigError naming `key` where it cannot be had."""
+    check_target(key, target)
+    add_path(folder)
+    module_name, attr = target.split(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001  (a user's module may raise anything on import)
+        where = f" (looked on PYTHONPATH and in {folder})" if folder else " (on PYTHONPATH)"
+        raise ConfigError(
+            f"{key}={target!r}: module {module_name!r} cannot be imported{where}: "
+            f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        ) from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{key}={target!r}: {module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{key}={target!r} is not callable ({type(obj).__name__})")
+    return obj
+
+
+def call(key: str, target: str, fn: Callable, kwargs: dict, facts: dict) -> Any:
+    """fn(**kwargs, **the facts its signature names and kwargs does not set); a TypeError
+    (a kwarg it does not take, one it needs and did not get) is a ConfigError naming `key`."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    given = {k: v for k, v in facts.items() if k in params and k not in kwargs}
+    try:
+        return fn(**kwargs, **given)
+    except TypeError as e:
+        group = key.split(".")[0]
+        hint = (
+            f"; kwargs the chosen {group} option set stay with {key}: start from {group}=own"
+            if kwargs and group == "model"
+            else ""
+        )
+        raise ConfigError(
+            f"{key}={target!r} with kwargs {dict(kwargs)}: {str(e).splitlines()[0][:200]} "
+            f"(mixprec passes, where the signature names them: {', '.join(facts)}){hint}"
+        ) from None

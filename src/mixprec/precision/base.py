@@ -1,0 +1,299 @@
+"""Precisions are plugins; this module is the interface and the plain one.
+
+`conf/precision/<name>.yaml` names its `plugin`: a module with a `Config` (this module's
+PrecisionConfig plus the plugin's own keys) and a `Plugin` (a subclass of Precision). fp32, tf32,
+amp, amp_accum and bf16 are this module's own plugin: autocast (or not), TF32 (or not) and a
+GradScaler. precision=fp8 is mixprec.precision.fp8, which converts Linear layers with
+torchao; nothing else in mixprec names it. A new precision (mxfp8, another torchao recipe) is one
+module and one YAML.
+
+What a precision decides, and where the run asks it (the plugin interface):
+- check_device(device): refuse a device it cannot run on, before any work (ConfigError);
+- convert(model): change the model before training (before the parallel wrap and compile);
+- autocast() and scaler: the forward's dtype and the loss scaling, used by loop.train_step;
+- owned(): the modules it converted, with the dtype they compute in (MFU, the dtype audit);
+- peak_tflops(peaks, owned_share): the dense peak its FLOPs can reach (MFU);
+- columns(): what the W&B config shows of it; memory_key(): what changes memory (batch=auto);
+- advice(compiled) (warnings at start), on_divergence() (what to try when a run diverges).
+
+Everything that is off is still an object (autocast with enabled=False, GradScaler with
+enabled=False), so the training step never branches on precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import List, Optional
+
+import torch
+from omegaconf import MISSING
+from torch import nn
+from torch.amp import GradScaler
+
+from mixprec.core import schema
+from mixprec.core.errors import ConfigError, check
+
+log = logging.getLogger(__name__)
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class PrecisionConfig:
+    """conf/precision/*.yaml: the keys every precision has (a plugin's Config adds its own)"""
+
+    name: str = MISSING  # the group option that chose this (fp32, tf32, amp, amp_accum, bf16, ...)
+    plugin: str = MISSING  # the module that implements it (mixprec.precision.base, .fp8, yours)
+    autocast: Optional[str] = MISSING  # autocast dtype: null (off), float16 or bfloat16
+    tf32: bool = MISSING  # TF32 tensor cores for fp32 matmuls/convs (Ampere and later)
+    accum: int = (
+        MISSING  # default micro-batches per optimizer step (the top-level `accum` reads it)
+    )
+    keep_fp32: List[str] = MISSING  # modules computed in fp32 under autocast (fp32_layers.py)
+
+    def __post_init__(self) -> None:
+        check(
+            self.autocast in (None, *_DTYPES),
+            "precision.autocast",
+            self.autocast,
+            "null, float16 or bfloat16",
+        )
+        check(self.accum >= 1, "precision.accum", self.accum, "an int >= 1")
+
+
+Config = PrecisionConfig  # this module is itself the plugin of fp32, tf32, amp, bf16
+
+
+@dataclass
+class ScalerConfig:
+    """conf/scaler/*.yaml (dynamic holds the values; the other presets extend it)"""
+
+    name: str = MISSING  # the group option (dynamic, conservative, static, off)
+    enabled: bool = MISSING  # only takes effect with float16 autocast
+    init_scale: float = (
+        MISSING  # first loss scale (2^16 is torch's default; 2^12 the cautious start)
+    )
+    growth_factor: float = MISSING  # scale *= this after growth_interval overflow-free steps
+    backoff_factor: float = MISSING  # scale *= this on an overflow (and the step is skipped)
+    growth_interval: int = MISSING  # overflow-free steps before the scale grows
+    static: bool = MISSING  # keep init_scale fixed forever (overflowing steps are still skipped)
+    guard_bn_stats: bool = MISSING  # undo BatchNorm's running-stat update of an overflowing forward
+
+    def __post_init__(self) -> None:
+        check(
+            0 < self.init_scale <= 2.0**64,
+            "scaler.init_scale",
+            self.init_scale,
+            "in (0, 2^64] (fp32 holds up to 2^128: a larger scale leaves no room for the loss)",
+        )
+        check(self.growth_factor > 1.0, "scaler.growth_factor", self.growth_factor, "> 1.0")
+        check(
+            0.0 < self.backoff_factor < 1.0,
+            "scaler.backoff_factor",
+            self.backoff_factor,
+            "in (0, 1)",
+        )
+        check(self.growth_interval >= 1, "scaler.growth_interval", self.growth_interval, ">= 1")
+
+
+class StaticGradScaler(GradScaler):
+    """A fixed loss scale: overflowing steps are still skipped, but the scale never moves."""
+
+    def update(self, new_scale=None) -> None:
+        super().update(self._init_scale if new_scale is None else new_scale)
+
+
+@dataclass
+class Precision:
+    """The plugin interface, and the plain precision: autocast, TF32 and a GradScaler."""
+
+    cfg: PrecisionConfig
+    device_type: str
+    scaler: GradScaler  # enabled only for float16 autocast with a scaler configured
+    guard_bn_stats: bool  # with an active scaler: BatchNormGuard puts overflowed stats back
+    cache: bool = True  # autocast's weight-cast cache (off under CUDA graphs, as torch requires)
+    kept: list = field(default_factory=list)  # modules kept in fp32 (fp32_layers.keep sets it)
+    sharded: bool = False  # the model will be sharded (parallel=fsdp): convert() may prepare it
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The autocast dtype; None = autocast off."""
+        return _DTYPES.get(self.cfg.autocast) if self.cfg.autocast else None
+
+    @property
+    def tf32(self) -> bool:
+        return self.cfg.tf32
+
+    def check_device(self, device: torch.device) -> None:
+        if (
+            self.dtype is torch.bfloat16
+            and device.type == "cuda"
+            and not torch.cuda.is_bf16_supported()
+        ):
+            raise ConfigError(
+                f"precision={self.name}: {torch.cuda.get_device_name(device)} has "
+                "no bfloat16 support; use one of fp32, tf32, amp, amp_accum"
+            )
+
+    def convert(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def owned(self) -> dict[str, str]:
+        """{module name: the dtype it computes in} for the modules convert() changed."""
+        return {}
+
+    def autocast(self) -> AbstractContextManager:
+        dtype = self.dtype or torch.get_autocast_dtype(self.device_type)
+        return torch.autocast(
+            self.device_type, dtype=dtype, enabled=self.dtype is not None, cache_enabled=self.cache
+        )
+
+    @property
+    def peak_key(self) -> str:
+        """Which hardware.peak_tflops entry bounds this run's matmuls (for MFU)."""
+        if self.dtype is not None:
+            return "fp16" if self.dtype == torch.float16 else "bf16"
+        return "tf32" if self.tf32 else "fp32"
+
+    def peak_tflops(self, peaks: dict, owned_share: float) -> float | None:
+        """The dense peak this run's FLOPs could reach (`owned_share` of them in owned())."""
+        return peaks.get(self.peak_key)
+
+    def columns(self) -> dict:
+        """The W&B config's precision columns (the scaler's are its config group's)."""
+        kept = {"keep_fp32": list(self.cfg.keep_fp32)} if self.cfg.keep_fp32 else {}
+        return {
+            "precision": self.name,
+            "autocast": self.cfg.autocast or "off",
+            "tf32": self.tf32,
+            **kept,
+        }
+
+    def audited(self) -> dict[str, str]:
+        """What the dtype audit labels by name: owned() and the modules kept in fp32."""
+        return {**self.owned(), **{name: "float32 (kept)" for name in self.kept}}
+
+    def memory_key(self) -> dict:
+        """Everything about the precision that changes training memory (batch=auto's cache)."""
+        cfg = {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in ("name", "accum")}
+        return {**cfg, "scaler": self.scaling}
+
+    def advice(self, compiled: bool) -> list[str]:
+        """Warnings before training."""
+        if self.device_type == "cpu" and self.dtype is torch.float16:
+            return [
+                f"precision={self.name} on the CPU: float16 autocast is emulated there, "
+                "several times slower than fp32 (measured on a 2-core CPU: "
+                "benchmarks/RESULTS.md); it shows the recipe works, not what it buys on a GPU"
+            ]
+        return []
+
+    def on_divergence(self) -> str:
+        """What to try when a run of this precision diverges."""
+        if self.scaling:
+            return (
+                "a lower optimizer.lr, trainer.clip_grad_norm=1.0, scaler=conservative "
+                "(init_scale 4096), or precision=bf16 (fp32's range)"
+            )
+        if self.dtype is torch.float16:
+            return "scaler=dynamic (fp16 without loss scaling overflows), or precision=bf16"
+        return "a lower optimizer.lr or trainer.clip_grad_norm=1.0"
+
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 when scaling is off). Reading it syncs the GPU."""
+        return float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
+
+    @property
+    def scaling(self) -> bool:
+        """A GradScaler is active (float16 autocast with scaler enabled)."""
+        return self.scaler.is_enabled()
+
+    def describe(self) -> str:
+        cast = f"autocast {self.cfg.autocast}" if self.dtype else "autocast off"
+        s = self.scaler
+        scale = (
+            f"GradScaler init_scale={s._init_scale:g} growth={s._growth_factor:g} "
+            f"backoff={s._backoff_factor:g} interval={s._growth_interval}"
+            + (" (static)" if isinstance(s, StaticGradScaler) else "")
+            if s.is_enabled()
+            else "GradScaler off"
+        )
+        tf32 = f"TF32 {'on' if self.tf32 else 'off'}"
+        if self.device_type != "cuda" and self.tf32:
+            tf32 = "TF32 does nothing on a CPU"
+        return f"precision={self.name}: {cast}, {scale}, {tf32}"
+
+
+Plugin = Precision
+
+
+def plugin_module(path: str) -> ModuleType:
+    """The module that implements a precision (`precision.plugin`), checked."""
+    try:
+        module = importlib.import_module(path)
+    except ImportError as e:
+        raise ConfigError(
+            f"precision.plugin={path!r} cannot be imported ({e}); it must be a "
+            "module with a Config and a Plugin, e.g. mixprec.precision.base or "
+            "mixprec.precision.fp8"
+        ) from None
+    if not (hasattr(module, "Config") and hasattr(module, "Plugin")):
+        raise ConfigError(
+            f"precision.plugin={path!r} is not a precision plugin: it must define "
+            "Config (a PrecisionConfig) and Plugin (a Precision)"
+        )
+    return module
+
+
+def parse(node: dict) -> PrecisionConfig:
+    """The plugin's own Config from the composed `precision` node: unknown keys and bad values
+    are ConfigErrors naming the key."""
+    name, path = node.get("name"), node.get("plugin")
+    if not isinstance(path, str):
+        raise ConfigError(
+            f"precision={name}: precision.plugin is missing; it names the module "
+            "that implements the precision, e.g. mixprec.precision.base"
+        )
+    return schema.parse(plugin_module(path).Config, node, "precision", f"precision={name}")
+
+
+def build(
+    pcfg: PrecisionConfig,
+    scfg: ScalerConfig,
+    device: torch.device,
+    cache: bool = True,
+    check_device: bool = True,
+) -> Precision:
+    """The precision `pcfg.plugin` implements, with its GradScaler; checked against the device
+    (tests build one without the check to look at a GPU-only conversion on the CPU)."""
+    fp16 = pcfg.autocast == "float16"
+    use_scaler = fp16 and scfg.enabled
+    if fp16 and not scfg.enabled:
+        log.warning(
+            "precision=%s with scaler=off: fp16 gradients below 2^-24 flush to zero and "
+            "overflows are not skipped; use scaler=dynamic unless you mean it",
+            pcfg.name,
+        )
+    cls = StaticGradScaler if scfg.static else GradScaler
+    scaler = cls(
+        device.type,
+        init_scale=scfg.init_scale,
+        growth_factor=scfg.growth_factor,
+        backoff_factor=scfg.backoff_factor,
+        growth_interval=scfg.growth_interval,
+        enabled=use_scaler,
+    )
+    prec = plugin_module(pcfg.plugin).Plugin(
+        pcfg, device.type, scaler, guard_bn_stats=use_scaler and scfg.guard_bn_stats, cache=cache
+    )
+    if check_device:
+        prec.check_device(device)
+    return prec

@@ -1,0 +1,200 @@
+"""The sweep report's plots: report_bars.png (throughput with its spread, and peak memory, one
+bar per run, coloured by precision, fp32's value as a reference line) and report_curves.png (loss,
+loss scale and val accuracy over optimizer steps, each panel with its legend; runs without a
+GradScaler have no loss-scale curve)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mixprec.sinks.local import number as _num
+
+COLOURS = {
+    "fp32": "tab:gray",
+    "tf32": "tab:brown",
+    "amp": "tab:blue",
+    "amp_accum": "tab:cyan",
+    "bf16": "tab:green",
+    "fp8": "tab:purple",
+    "fp8_rowwise": "tab:pink",
+}
+
+
+def _bars(ax, runs: list[dict], key: str, title: str, spread: str | None) -> None:
+    labels = [r["run"] for r in runs]
+    values = [_num(r.get(key)) or 0.0 for r in runs]
+    errors = [(_num(r.get(spread)) or 0.0) * v for r, v in zip(runs, values)] if spread else None
+    colours = [COLOURS.get(r.get("precision"), "tab:olive") for r in runs]
+    bars = ax.barh(labels, values, color=colours, xerr=errors, capsize=3)
+    for bar, r in zip(bars, runs):
+        if r.get("status") != "completed":
+            bar.set_hatch("//")
+            bar.set_edgecolor("tab:red")
+    fp32 = [v for r, v in zip(runs, values) if r.get("precision") == "fp32" and v]
+    if len(set(fp32)) == 1:  # one fp32 run to compare with: its value as a line
+        ax.axvline(fp32[0], color="black", linestyle="--", linewidth=1, label="fp32")
+    ax.set_title(title, loc="left", fontsize=10)
+    ax.invert_yaxis()
+
+
+def draw(runs: list[dict], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    paths = []
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.5 * max(4, len(runs)) + 1.5))
+    memory = next((r.get("memory") for r in runs if r.get("memory")), None)
+    _bars(
+        axes[0],
+        runs,
+        "samples_per_s",
+        "throughput (samples/s; bar: spread over windows)",
+        "samples_per_s_spread",
+    )
+    _bars(axes[1], runs, "peak_mem_gib", f"peak memory (GiB, {memory or 'unknown'})", None)
+    shown = sorted({r.get("precision") for r in runs if r.get("precision")})
+    handles = [Patch(color=COLOURS.get(p, "tab:olive"), label=p) for p in shown]
+    if any(r.get("status") != "completed" for r in runs):
+        handles.append(Patch(facecolor="white", edgecolor="tab:red", hatch="//", label="failed"))
+    axes[1].legend(handles=handles, fontsize=8, loc="lower right")
+    fig.tight_layout()
+    paths.append(out_dir / "report_bars.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    for ax, key, title in (
+        (axes[0], "train/loss", "train loss"),
+        (axes[1], "amp/loss_scale", "loss scale (runs with a GradScaler)"),
+        (axes[2], "val/acc1", "val top-1"),
+    ):
+        for r in runs:
+            if key == "amp/loss_scale" and r.get("loss_scale") is None:
+                continue  # no GradScaler: its logged scale of 1 is not a loss scale
+            pts = [
+                (m["step"], _num(m.get(key))) for m in r["curves"] if _num(m.get(key)) is not None
+            ]
+            if pts:
+                ax.plot(
+                    *zip(*pts), marker="." if len(pts) < 30 else None, label=r["run"], alpha=0.85
+                )
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("optimizer step")
+        if key == "amp/loss_scale":
+            ax.set_yscale("log", base=2)
+        if ax.lines:
+            ax.legend(fontsize=7, loc="best")
+        else:
+            ax.text(0.5, 0.5, "no run logged one", ha="center", transform=ax.transAxes)
+    fig.tight_layout()
+    paths.append(out_dir / "report_curves.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def loss_scale_plot(run_dir: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    pts = [(r["step"], r["amp/loss_scale"]) for r in rows if "amp/loss_scale" in r]
+    if not pts:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(*zip(*pts))
+    ax.set_yscale("log", base=2)
+    ax.set(title="loss scale", xlabel="optimizer step")
+    fig.tight_layout()
+    path = run_dir / "loss_scale.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def study_plot(result: dict, path: Path) -> Path:
+    """The time-to-quality study (study.py): val loss against training seconds and against
+    steps, the mean of each precision over its seeds with their range as a band, the target as
+    a dashed line; and each precision's seconds to the target with its interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    groups: dict[str, list] = {}
+    for s in result["seeds"]:
+        if not s.diverged and s.curve:
+            groups.setdefault(s.precision, []).append(s.curve)
+    for precision, curves in groups.items():
+        n = min(len(c) for c in curves)  # evaluations at the same steps in every seed
+        colour = COLOURS.get(precision, "tab:olive")
+        losses = [[c[i].loss for c in curves] for i in range(n)]
+        lo, hi = [min(v) for v in losses], [max(v) for v in losses]
+        mean = [sum(v) / len(v) for v in losses]
+        for ax, xs in (
+            (axes[0], [sum(c[i].train_s for c in curves) / len(curves) for i in range(n)]),
+            (axes[1], [curves[0][i].step for i in range(n)]),
+        ):
+            ax.plot(xs, mean, color=colour, label=f"{precision} ({len(curves)} seeds)")
+            ax.fill_between(xs, lo, hi, color=colour, alpha=0.2, linewidth=0)
+    for ax, xlabel in ((axes[0], "training seconds"), (axes[1], "optimizer steps")):
+        ax.axhline(result["target"], color="black", linestyle="--", linewidth=1, label="target")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("val loss")
+        ax.legend(fontsize=8)
+    _time_to_target(axes[2], result)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _time_to_target(ax, result: dict) -> None:
+    """Each precision's training seconds to the target: the reference ± its seeds' std, the
+    others with their speedup's interval as seconds; a bar over fewer seeds says so."""
+    rows = [r for r in result["rows"] if r.seconds_to]
+    names = [r.precision for r in rows]
+    means = [r.seconds_to[0] for r in rows]
+    ref = next((r.seconds_to[0] for r in rows if r.precision == result["reference"]), None)
+    # the reference: its seeds' std; the others: the speedup's interval as seconds (the
+    # reference's mean time over the interval's bounds)
+    err = [
+        [m - ref / r.interval[1], ref / r.interval[0] - m]
+        if r.interval and ref
+        else [r.seconds_to[1], r.seconds_to[1]]
+        for r, m in zip(rows, means)
+    ]
+    ax.barh(
+        names,
+        means,
+        xerr=list(zip(*err)) if err else None,
+        color=[COLOURS.get(n, "tab:olive") for n in names],
+        capsize=4,
+    )
+    for i, r in enumerate(rows):  # a bar over fewer seeds than ran says so
+        reached = r.seeds - len(r.not_reached) - len(r.diverged)
+        if reached < r.seeds:
+            ax.annotate(
+                f"{reached} of {r.seeds} seeds reached it",
+                (0, i),
+                xytext=(4, 0),
+                textcoords="offset points",
+                va="center",
+                color="white",
+                fontsize=8,
+            )
+    ax.invert_yaxis()
+    ax.set_xlabel(f"training seconds to val loss {result['target']:.3f}")
+    ax.set_title(
+        f"{result['reference']}: ± std over seeds; others: {int(result['level'] * 100)} % "
+        "interval of the speedup, as seconds",
+        loc="left",
+        fontsize=9,
+    )

@@ -1,0 +1,278 @@
+"""Compare runs: `python -m mixprec.report <sweep dir or run dirs...>`.
+
+Reads every job's summary.json and metrics.jsonl and writes, into the (first) directory given:
+report.md and report.csv (one row per job, failed jobs included) and two PNGs: report_bars.png
+(throughput and peak memory per configuration) and report_curves.png (loss, loss scale and val
+accuracy over steps). The same table goes to the console and, with logger=wandb, to W&B as a
+wandb.Table. A Hydra callback (sweep.ReportCallback) keeps it up to date as each multirun job
+ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from mixprec.core import files, metrics
+from mixprec.report.plots import draw
+from mixprec.report.runs import find_runs, read_runs
+from mixprec.sinks import local
+from mixprec.sinks import wandb as wandb_sink
+
+log = logging.getLogger(__name__)
+RATIOS = {  # the columns after each metric's: its spread, its ratio to the fp32 run
+    "samples_per_s": ("samples_per_s_spread", "speedup_vs_fp32", "within_noise"),
+    "peak_mem_gib": ("memory", "mem_saving_vs_fp32"),
+    "max_batch": ("max_batch_vs_fp32",),
+}
+COLUMNS = [
+    "run",
+    "status",
+    "precision",
+    "batch",
+    "accum",
+    "effective_batch",
+    *(c for m in metrics.report_columns() for c in (m, *RATIOS.get(m, ()))),
+    "error",
+]
+
+
+_num = local.number
+
+
+def _baseline(r: dict, runs: list[dict]) -> dict | None:
+    """The completed fp32 run with the same settings but precision (same model, batch, seed,
+    ...), or None: a speed-up is only a ratio between runs that differ in precision alone."""
+
+    def rest(run: dict) -> tuple:
+        return (
+            tuple(sorted(o for o in run.get("overrides", []) if not o.startswith("precision="))),
+            run.get("model"),
+            run.get("batch"),
+            run.get("world_size"),
+        )
+
+    return next(
+        (
+            b
+            for b in runs
+            if b.get("precision") == "fp32"
+            and b.get("status") == "completed"
+            and _num(b.get("samples_per_s"))
+            and rest(b) == rest(r)
+        ),
+        None,
+    )
+
+
+def build_table(runs: list[dict]) -> list[dict]:
+    table = []
+    for r in runs:
+        base = _baseline(r, runs)
+        row = {c: r.get(c) for c in COLUMNS}
+        sps, mem = _num(r.get("samples_per_s")), _num(r.get("peak_mem_gib"))
+        if base and sps:
+            row["speedup_vs_fp32"] = sps / base["samples_per_s"]
+            noise = 2 * max(
+                _num(r.get("samples_per_s_spread")) or 0.0,
+                _num(base.get("samples_per_s_spread")) or 0.0,
+            )
+            if noise and base is not r:  # no further from 1 than the runs' own windows move
+                row["within_noise"] = abs(row["speedup_vs_fp32"] - 1) <= noise
+        if base and mem and _num(base.get("peak_mem_gib")):
+            row["mem_saving_vs_fp32"] = 1 - mem / base["peak_mem_gib"]
+        if base and _num(r.get("max_batch")) and _num(base.get("max_batch")):
+            row["max_batch_vs_fp32"] = r["max_batch"] / base["max_batch"]
+        table.append(row)
+    return table
+
+
+def seed_groups(runs: list[dict]) -> list[dict]:
+    """Runs that differ only in `seed=`, pooled: val top-1 and samples/s as mean +- std."""
+    import statistics
+
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        if r.get("status") == "completed":
+            key = ",".join(p for p in r["run"].split(",") if not p.startswith("seed=")) or "all"
+            groups.setdefault(key, []).append(r)
+    out = []
+    for key, rs in groups.items():
+        if len(rs) < 2:
+            continue
+        row = {"config": key, "n": len(rs)}
+        for k in ("val_acc1", "samples_per_s"):
+            vals = [_num(r.get(k)) for r in rs if _num(r.get(k)) is not None]
+            row[k] = (statistics.mean(vals), statistics.stdev(vals)) if len(vals) > 1 else None
+        out.append(row)
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 10 else f"{v:,.1f}"
+    return str(v)
+
+
+def _cell(v: Any) -> str:
+    """A markdown table cell: a `|` would end the cell, HTML would render."""
+    return (
+        _fmt(v)
+        .replace("&", "&amp;")
+        .replace("<", "&lt;")
+        .replace(">", "&gt;")
+        .replace("|", "\\|")
+        .replace("\n", " ")
+    )
+
+
+def shown(table: list[dict]) -> list[str]:
+    """The columns with a value in some row (a CPU sweep has no MFU, loss scale or max batch)."""
+    return [
+        c for c in COLUMNS if c in ("run", "status") or any(r.get(c) is not None for r in table)
+    ]
+
+
+def markdown(table: list[dict]) -> str:
+    cols = shown(table)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_cell(row[c]) for c in cols) + " |" for row in table]
+    return "\n".join(lines) + "\n"
+
+
+def notes(runs: list[dict]) -> str:
+    """What a reader must know before comparing the numbers."""
+    out = []
+    if any(r.get("device") == "cpu" for r in runs):
+        out.append(
+            "These runs ran on a CPU: speed ratios between precisions there are not what "
+            "a GPU shows (float16 is emulated, TF32 does nothing), and memory is the "
+            "process's resident memory (RSS), not GPU memory."
+        )
+    if any(r.get("within_noise") for r in runs):
+        out.append(
+            "`within_noise`: the speed-up is no further from 1 than twice the larger "
+            "spread of the two runs' own throughput windows; run longer or repeat "
+            "(seed=0,1,2) before reading a difference into it."
+        )
+    return "".join(f"> {line}\n>\n" for line in out).rstrip(">\n") + ("\n\n" if out else "")
+
+
+def console(table: list[dict]) -> str:
+    cols = shown(table)
+    cells = [cols] + [[_fmt(row[c]) for c in cols] for row in table]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cols))]
+    out = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def write(
+    paths: list[Path],
+    out_dir: Path | None = None,
+    to_wandb: bool | None = None,
+    plots: bool = True,
+    echo: bool = True,
+) -> dict:
+    """Build the report for these sweep/run dirs (the PNGs too unless `plots` is false; the
+    table on the console if `echo`); returns {'table': ..., 'files': [...]}."""
+    run_dirs = find_runs(paths)
+    if not run_dirs:
+        raise SystemExit(f"no run directories (with .hydra/) under {', '.join(map(str, paths))}")
+    out_dir = out_dir or default_out(paths)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = read_runs(run_dirs)
+    table = build_table(runs)
+    text = notes([{**r, **t} for r, t in zip(runs, table)]) + markdown(table)
+    pooled = seed_groups(runs)
+    if pooled:
+        text += (
+            "\n## Over seeds (mean ± std)\n\n| config | runs | val top-1 | samples/s |\n"
+            "|---|---|---|---|\n"
+        )
+        text += "".join(
+            f"| {g['config']} | {g['n']} | "
+            + " | ".join(
+                f"{g[k][0]:.4f} ± {g[k][1]:.4f}" if g[k] else "-"
+                for k in ("val_acc1", "samples_per_s")
+            )
+            + " |\n"
+            for g in pooled
+        )
+    studied = out_dir / "study.json"
+    if studied.exists():  # a time-to-quality study of this sweep (study.py): its answer first
+        text = (out_dir / "study.md").read_text() + "\n" + text
+    (out_dir / "report.md").write_text(text)
+    with open(out_dir / "report.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(table)
+    files = [out_dir / "report.md", out_dir / "report.csv", *(draw(runs, out_dir) if plots else [])]
+    if studied.exists() and (out_dir / "study.png").exists():
+        files.append(out_dir / "study.png")
+    if echo:
+        print(console(table))
+        print("wrote " + ", ".join(str(p) for p in files))
+    if to_wandb if to_wandb is not None else wandb_sink.logged(run_dirs):
+        wandb_sink.log_report(
+            COLUMNS,
+            table,
+            [p for p in files if p.suffix == ".png"],
+            out_dir,
+            run_dirs,
+            extra=study_tables(studied),
+        )
+    return {"table": table, "files": files}
+
+
+def study_tables(path: Path) -> dict:
+    """The study's rows as a W&B table, and its numbers as the report run's summary."""
+    if not path.exists():
+        return {}
+    result = json.loads(path.read_text())
+    cols = ["precision", "seeds", "rate_vs_ref", "steps_to", "speedup", "interval", "verdict"]
+    rows = [{**r, "interval": str(r["interval"])} for r in result["rows"]]
+    summary = {
+        f"study/{r['precision']}/speedup": r["speedup"] for r in result["rows"] if r["speedup"]
+    }
+    return {"study": (cols, rows), "summary": {**summary, "study/target": result["target"]}}
+
+
+def default_out(paths: list[Path]) -> Path:
+    """One sweep or run dir: the report goes into it. Several dirs: a report dir of its own
+    (outputs/reports/<date>_<time>), not into one of the runs."""
+    if len(paths) == 1:
+        return paths[0]
+    return Path("outputs") / "reports" / time.strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m mixprec.report", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("dirs", nargs="+", type=Path, help="a multirun sweep dir, or run dirs")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="where to write (default: the dir given; with several, outputs/reports/<date>_<time>)",
+    )
+    ap.add_argument("--no-wandb", action="store_true", help="do not log the table to W&B")
+    a = ap.parse_args()
+    missing = [str(d) for d in a.dirs if not d.is_dir()]
+    if missing:
+        raise SystemExit(f"not a directory: {', '.join(missing)}")
+    with files.cli_errors(a.out or default_out(a.dirs)):
+        write(a.dirs, a.out, to_wandb=False if a.no_wandb else None)
+
+
+if __name__ == "__main__":
+    main()

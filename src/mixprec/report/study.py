@@ -1,0 +1,352 @@
+"""What precision buys in time to the same quality: a sweep of precisions x seeds (the
+`experiment=*_quality` presets) read back from its run dirs, each precision matched against a
+reference (bf16 by default) at one target validation loss.
+
+    python -m mixprec.study SWEEP_DIR [--reference bf16] [--target 1.7 | --budget 200]
+
+For every seed: the training seconds (`time/train_s`: steps only, no evaluation, no checkpoint,
+the first step's compile left out) and the steps at which its validation loss first reaches the
+target, interpolated linearly between the two evaluations around the crossing (a curve that
+dips below and comes back counts from its first crossing). The target defaults to the highest
+loss among the reference's seeds at `study.budget` steps (their last evaluation without one):
+the loss every reference seed reaches (its mean would leave about half of them short of it).
+Runs longer than the budget give the other precisions room to reach it when they learn less
+per step (with equal steps, a precision a hair worse per step never reaches the target).
+Loss-matched speedup = the reference's time to target / this precision's, as a ratio of
+geometric means over seeds, with a 95 % Welch t interval on the log times. An interval that
+covers 1 is "no difference we can resolve". A seed that never reaches the target is "not
+reached" (with its best loss) and a diverged one is named; neither enters the ratio. Writes
+study.md, study.json and study.png into the sweep dir."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import MISSING
+
+from mixprec.core import files
+from mixprec.core.errors import ConfigError, check
+
+LEVEL = 0.95
+
+
+@dataclass
+class StudyConfig:
+    """study.* in conf/train.yaml: a sweep that is a time-to-quality study"""
+
+    reference: Optional[str] = MISSING  # the precision the others are matched against; null: off
+    target: Optional[float] = MISSING  # the val loss to reach; null: every reference seed's
+    budget: Optional[int] = MISSING  # the reference's loss at this step is the target; null: last
+
+    def __post_init__(self) -> None:
+        check(self.target is None or self.target > 0, "study.target", self.target, "null or > 0")
+        check(
+            self.budget is None or self.budget >= 1,
+            "study.budget",
+            self.budget,
+            "null (the last evaluation) or an optimizer step >= 1",
+        )
+
+
+@dataclass
+class Point:
+    step: int
+    train_s: float
+    loss: float
+
+
+@dataclass
+class Seed:
+    """One run of the study: a precision at one seed."""
+
+    precision: str
+    seed: int
+    run: str
+    status: str
+    curve: list[Point]
+    rate: float | None = None  # tokens/s (or samples/s): steady state, the run alone on its GPU
+    peak_gib: float | None = None
+    skipped: int | None = None
+    diverged: bool = False
+    final: float | None = None
+    best: float | None = None
+    steps_to: float | None = None  # to the target; None: not reached
+    seconds_to: float | None = None
+
+
+@dataclass
+class Row:
+    """One precision's answer."""
+
+    precision: str
+    seeds: int
+    rate: tuple[float, float] | None  # mean, std over seeds
+    rate_vs_ref: float | None
+    final: tuple[float, float] | None
+    steps_to: float | None
+    seconds_to: tuple[float, float] | None
+    speedup: float | None
+    interval: tuple[float, float] | None
+    skipped: int
+    peak_gib: float | None
+    not_reached: list[str] = field(default_factory=list)  # "seed 2 (best 1.93)"
+    diverged: list[str] = field(default_factory=list)
+    verdict: str = ""
+
+
+def crossing(curve: list[Point], target: float) -> tuple[float, float] | None:
+    """(step, train_s) where the loss first reaches `target`, linear between evaluations."""
+    prev = None
+    for p in curve:
+        if p.loss <= target:
+            if prev is None or prev.loss == p.loss:
+                return float(p.step), p.train_s
+            f = (prev.loss - target) / (prev.loss - p.loss)
+            return prev.step + f * (p.step - prev.step), prev.train_s + f * (
+                p.train_s - prev.train_s
+            )
+        prev = p
+    return None
+
+
+def mean_std(values: list[float]) -> tuple[float, float] | None:
+    if not values:
+        return None
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def ratio_interval(ref: list[float], other: list[float]) -> tuple[float, tuple | None]:
+    """ref / other as a ratio of geometric means, with its Welch t interval on the logs."""
+    a, b = [math.log(v) for v in ref], [math.log(v) for v in other]
+    d = statistics.fmean(a) - statistics.fmean(b)
+    if len(a) < 2 or len(b) < 2:
+        return math.exp(d), None
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return math.exp(d), (math.exp(d), math.exp(d))
+    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    from scipy.stats import t
+
+    half = t.ppf(0.5 + LEVEL / 2, dof) * se
+    return math.exp(d), (math.exp(d - half), math.exp(d + half))
+
+
+def loss_at(curve: list[Point], step: int) -> float | None:
+    """The val loss at `step`, linear between the evaluations around it (None past the end)."""
+    prev = None
+    for p in curve:
+        if p.step >= step:
+            if prev is None or p.step == step:
+                return p.loss
+            f = (step - prev.step) / (p.step - prev.step)
+            return prev.loss + f * (p.loss - prev.loss)
+        prev = p
+    return None
+
+
+def default_target(seeds: list[Seed], reference: str, budget: int | None = None) -> float:
+    """The loss every reference seed reaches: the highest of their losses at `budget` (their
+    last evaluation without one). With a budget below the runs' length, the other precisions
+    have the rest of their steps to reach what the reference reached in its budget."""
+    ref = [s for s in seeds if s.precision == reference and not s.diverged and s.curve]
+    at = [s.final if budget is None else loss_at(s.curve, budget) for s in ref]
+    at = [v for v in at if v is not None]
+    if not at:
+        raise ConfigError(
+            f"study.reference={reference!r}: no finished run of that precision in the sweep "
+            f"{'reached step ' + str(budget) + ' ' if budget else ''}"
+            f"(precisions: {', '.join(sorted({s.precision for s in seeds}))})"
+        )
+    return max(at)
+
+
+def analyse(
+    seeds: list[Seed], reference: str, target: float | None = None, budget: int | None = None
+) -> dict:
+    """The study's answer: the target, one Row per precision (the reference first)."""
+    target = default_target(seeds, reference, budget) if target is None else target
+    for s in seeds:
+        hit = None if s.diverged else crossing(s.curve, target)
+        s.steps_to, s.seconds_to = hit if hit else (None, None)
+    groups: dict[str, list[Seed]] = {}
+    for s in sorted(seeds, key=lambda s: (s.precision != reference, s.precision, s.seed)):
+        groups.setdefault(s.precision, []).append(s)
+    ref_times = [s.seconds_to for s in groups.get(reference, []) if s.seconds_to]
+    ref_rate = mean_std([s.rate for s in groups.get(reference, []) if s.rate])
+    rows = [_row(p, g, ref_times, ref_rate, reference) for p, g in groups.items()]
+    return {
+        "reference": reference,
+        "target": target,
+        "budget": budget,
+        "level": LEVEL,
+        "rows": rows,
+        "seeds": seeds,
+    }
+
+
+def _row(precision: str, group: list[Seed], ref_times, ref_rate, reference: str) -> Row:
+    ok = [s for s in group if not s.diverged]
+    times = [s.seconds_to for s in ok if s.seconds_to]
+    rate = mean_std([s.rate for s in ok if s.rate])
+    row = Row(
+        precision,
+        len(group),
+        rate,
+        rate[0] / ref_rate[0] if rate and ref_rate else None,
+        mean_std([s.final for s in ok if s.final is not None]),
+        statistics.fmean([s.steps_to for s in ok if s.steps_to]) if times else None,
+        mean_std(times),
+        None,
+        None,
+        sum(s.skipped or 0 for s in group),
+        max((s.peak_gib for s in group if s.peak_gib), default=None),
+        [f"seed {s.seed} (best {s.best:.4g})" for s in ok if not s.seconds_to and s.best],
+        [f"seed {s.seed} ({s.run})" for s in group if s.diverged],
+    )
+    if precision == reference and times:
+        row.speedup = 1.0  # by definition; its seeds' spread is in seconds_to
+    elif times and ref_times:
+        row.speedup, row.interval = ratio_interval(ref_times, times)
+    row.verdict = verdict(row, reference)
+    return row
+
+
+def verdict(row: Row, reference: str) -> str:
+    p = f"precision={row.precision}"
+    if row.diverged and len(row.diverged) == row.seeds:
+        return f"{p}: every seed diverged"
+    if row.not_reached and not row.seconds_to:
+        return f"{p}: no seed reached the target ({', '.join(row.not_reached)})"
+    tail = f"; not reached: {', '.join(row.not_reached)}" if row.not_reached else ""
+    tail += f"; diverged: {', '.join(row.diverged)}" if row.diverged else ""
+    if row.precision == reference:
+        return f"{p} is the reference{tail}"
+    if row.speedup is None:
+        return f"{p}: no time to target to compare{tail}"
+    if row.interval is None:
+        return f"{p}: {row.speedup:.2f}x the reference's speed to the target (one seed){tail}"
+    lo, hi = row.interval
+    if lo <= 1 <= hi:
+        return (
+            f"{p}: no difference we can resolve from {reference} in time to the target "
+            f"({row.speedup:.2f}x, {LEVEL:.0%} interval {lo:.2f}-{hi:.2f}){tail}"
+        )
+    return (
+        f"{p} reaches the target {row.speedup:.2f}x as fast as {reference} "
+        f"({LEVEL:.0%} interval {lo:.2f}-{hi:.2f}){tail}"
+    )
+
+
+def read_seeds(sweep_dir: Path) -> list[Seed]:
+    """Every run of the sweep: its precision, seed, rate and validation curve."""
+    import yaml
+
+    from mixprec.report.runs import find_runs
+    from mixprec.sinks import local
+    from mixprec.sinks.local import read_jsonl
+
+    seeds = []
+    for run in find_runs([sweep_dir]):
+        s = local.read(run)
+        cfg = yaml.safe_load((run / ".hydra" / "config.yaml").read_text()) or {}
+        rows = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
+        curve = [
+            Point(r["step"], r.get("time/train_s", 0.0), r["val/loss"])
+            for r in rows
+            if isinstance(r.get("val/loss"), (int, float))
+        ]
+        finite = [p.loss for p in curve if math.isfinite(p.loss)]
+        diverged = s.get("exit_code") == 3 or (bool(curve) and not math.isfinite(curve[-1].loss))
+        seeds.append(
+            Seed(
+                precision=str(s.get("precision") or (cfg.get("precision") or {}).get("name")),
+                seed=int(cfg.get("seed", 0)),
+                run=run.name,
+                status=str(s.get("status")),
+                curve=curve,
+                rate=s.get("tokens_per_s") or s.get("samples_per_s"),
+                peak_gib=s.get("peak_mem_gib"),
+                skipped=s.get("skipped_steps"),
+                diverged=diverged,
+                final=curve[-1].loss if curve and not diverged else None,
+                best=min(finite) if finite else None,
+            )
+        )
+    return seeds
+
+
+def _pm(v: tuple | None, fmt: str = "{:.4f}") -> str:
+    return "-" if v is None else f"{fmt.format(v[0])} ± {fmt.format(v[1])}"
+
+
+def markdown(result: dict) -> str:
+    ref, target, budget = result["reference"], result["target"], result.get("budget")
+    where = f"its seeds' worst at step {budget}" if budget else "its seeds' worst final"
+    out = [
+        f"## Time to the same quality (reference {ref}, target val loss {target:.4f}: {where})\n",
+        "Training seconds to the target (steps only: evaluation, checkpoints and the first "
+        "step's compile left out), interpolated between evaluations; speedup = the "
+        f"reference's time / this one's, geometric means over seeds, {LEVEL:.0%} Welch t "
+        "interval on the log times. Rates: steady state, each run alone on its device.\n",
+        "| precision | seeds | tokens/s (samples/s) | raw rate vs ref | final val loss | "
+        "steps to target | seconds to target | loss-matched speedup | interval | skipped "
+        "| peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        out.append(
+            f"| {r.precision} | {r.seeds} | {_pm(r.rate, '{:,.0f}')} | "
+            f"{'-' if r.rate_vs_ref is None else f'{r.rate_vs_ref:.2f}'} | {_pm(r.final)} | "
+            f"{'-' if r.steps_to is None else f'{r.steps_to:.0f}'} | "
+            f"{_pm(r.seconds_to, '{:.1f}')} | "
+            f"{'-' if r.speedup is None else f'**{r.speedup:.2f}**'} | "
+            f"{'-' if r.interval is None else f'{r.interval[0]:.2f}-{r.interval[1]:.2f}'} | "
+            f"{r.skipped} | {'-' if r.peak_gib is None else f'{r.peak_gib:.1f}'} |"
+        )
+    out.append("")
+    out += [f"- {r.verdict}" for r in result["rows"]]
+    return "\n".join(out) + "\n"
+
+
+def write(
+    sweep_dir: Path, reference: str = "bf16", target: float | None = None, budget: int | None = None
+) -> dict:
+    """study.md, study.json and study.png in the sweep dir; returns the result."""
+    seeds = read_seeds(sweep_dir)
+    if not seeds:
+        raise ConfigError(f"{sweep_dir}: no run dirs (with .hydra/) in it to study")
+    result = analyse(seeds, reference, target, budget)
+    (sweep_dir / "study.md").write_text(markdown(result))
+    plain = {**result, "rows": [asdict(r) for r in result["rows"]]}
+    plain["seeds"] = [{**asdict(s), "curve": [asdict(p) for p in s.curve]} for s in seeds]
+    (sweep_dir / "study.json").write_text(json.dumps(plain, indent=1))
+    from mixprec.report.plots import study_plot
+
+    study_plot(result, sweep_dir / "study.png")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m mixprec.study", description=__doc__.split("\n")[0])
+    ap.add_argument("sweep", type=Path, help="the sweep dir of precisions x seeds")
+    ap.add_argument("--reference", default="bf16", help="the precision matched against (bf16)")
+    ap.add_argument("--target", type=float, default=None, help="val loss (default: see above)")
+    ap.add_argument("--budget", type=int, default=None, help="the reference's step for the target")
+    a = ap.parse_args(argv)
+    if not a.sweep.is_dir():
+        raise SystemExit(f"not a directory: {a.sweep}")
+    with files.cli_errors(a.sweep):  # a config error, a full disk, a read-only sweep dir
+        result = write(a.sweep, a.reference, a.target, a.budget)
+    print(markdown(result))
+    print(f"wrote {a.sweep / 'study.md'}, study.json, study.png")
+
+
+if __name__ == "__main__":
+    main()

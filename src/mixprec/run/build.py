@@ -1,0 +1,272 @@
+"""The one builder: turns the validated config into the parts of a run (device, batch layout,
+data, model, optimizer, schedule, loop plan) and says what it built. With run.py, the only
+reader of the config: everything it builds gets plain objects and numbers."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mixprec import data as datasets
+from mixprec import models
+from mixprec.compile import compiling
+from mixprec.core import hardware, process, tasks
+from mixprec.core.errors import ConfigError
+from mixprec.models import flops
+from mixprec.optim import optimizers as optim
+from mixprec.optim import states as optim_states
+from mixprec.parallel import distributed, sharding
+from mixprec.precision import base as precision
+from mixprec.precision import fp32_layers
+from mixprec.run import config
+from mixprec.run import layout as layouts
+from mixprec.run.config import TrainConfig
+from mixprec.train import loop, perf
+
+log = logging.getLogger("mixprec")
+
+
+@dataclass
+class Parts:
+    """Everything a run is made of, built and checked."""
+
+    config: TrainConfig
+    hw: hardware.HardwareConfig  # the resolved profile (never `auto`)
+    dist: distributed.Dist
+    device: torch.device
+    layout: layouts.Layout
+    data: datasets.Data
+    learner: loop.Learner
+    plan: loop.Plan
+    lr: float  # the learning rate that runs (after LR scaling)
+    flops_per_sample: int | None  # training FLOPs (for MFU; counted where a peak is known)
+    peak_tflops: float | None  # the dense peak this run's FLOPs could reach (for MFU)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.config.run_dir)
+
+    def example(self, n: int = 2) -> torch.Tensor:
+        """A random input batch of this run's kind (for the dtype audit)."""
+        d = self.data
+        return example(self.config, d.input_shape, self.device, n, d.num_classes, d.task)
+
+    def meter(self) -> perf.Throughput:
+        """The throughput meter: its warm-up, MFU against this run's peak, tokens per sample."""
+        peak, per_sample, world = self.peak_tflops, self.flops_per_sample, self.dist.world
+        return perf.Throughput(
+            self.device,
+            self.config.trainer.perf_warmup_steps,
+            mfu=lambda sps: flops.mfu(per_sample, sps, peak, world),
+            tokens_per_sample=self.data.task.tokens(self.data.input_shape),
+        )
+
+
+def resolve_hardware(c: TrainConfig) -> hardware.HardwareConfig:
+    return hardware.resolve(c.hardware, config.hardware_profiles())
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What the model is built for: the data's classes and input shape, and the micro-batch
+    (CUDA graphs are captured for that one shape)."""
+
+    num_classes: int
+    input_shape: tuple[int, ...]
+    batch: int
+    task: tasks.Task = tasks.CLASSIFY
+
+
+def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> Parts:
+    device = hardware.setup(hw, dd.local_rank)
+    if c.needs_gpu and device.type != "cuda":
+        raise ConfigError(
+            f"experiment={c.name} is sized for a GPU (needs_gpu=true) and this run "
+            "would train on the CPU; run it on a CUDA machine, or try the "
+            "pipeline on the CPU with a small shape, e.g. `needs_gpu=false "
+            "model=resnet18 data.shape=[3,32,32] batch=8 trainer.max_steps=20` (a language "
+            "model: `model=llama_tiny data.seq_len=64`)"
+        )
+    process.apply(process_settings(c, hw), device)
+    seed_everything(c.seed + dd.rank)  # DDP copies rank 0's initial weights to every rank
+    prec = new_precision(c, device)
+    layout = layouts.resolve(c, hw, device, dd.world, prec, lambda: probes(c, device))
+    data = datasets.build(
+        c.data,
+        datasets.Context(
+            layout.batch,
+            device,
+            c.seed,
+            c.model.channels_last,
+            dd.rank,
+            dd.world,
+            datasets.Workers(hw.num_workers, hw.pin_memory, hw.persistent_workers),
+        ),
+    )
+    lr = optim.scaled_lr(c.optimizer, layout.effective)
+    counted: list = []
+    model, optimizer = assemble(
+        c,
+        prec,
+        Spec(data.num_classes, data.input_shape, layout.batch, data.task),
+        device,
+        dd,
+        lr,
+        inspect=lambda m: counted.extend(_flops_and_peak(m, data, hw, prec, device)),
+    )
+    plan = layouts.plan(c, len(data.train), layout)
+    scheduler = optim.build_scheduler(c.scheduler, optimizer, plan.total_steps)
+    learner = loop.Learner(model, optimizer, scheduler, prec, data.task)
+    parts = Parts(c, hw, dd, device, layout, data, learner, plan, lr, *counted)
+    announce(parts)
+    return parts
+
+
+def process_settings(c: TrainConfig, hw: hardware.HardwareConfig) -> process.Settings:
+    blocks = c.model.compile and c.model.compile_scope == "blocks"
+    return process.Settings(
+        tf32=c.precision.tf32,
+        cudnn_benchmark=hw.cudnn_benchmark,
+        memory_gib=hw.memory_gib,
+        profile=hw.name,
+        recompile_limit=compiling.BLOCK_RECOMPILE_LIMIT if blocks else None,
+        detect_anomaly=c.debug.detect_anomaly,
+    )
+
+
+def new_precision(c: TrainConfig, device: torch.device) -> precision.Precision:
+    # torch: CUDA graphs need autocast's weight-cast cache off
+    return precision.build(c.precision, c.scaler, device, cache=not c.model.cuda_graphs)
+
+
+def assemble(
+    c: TrainConfig,
+    prec: precision.Precision,
+    spec: Spec,
+    device: torch.device,
+    dd: distributed.Dist,
+    lr: float,
+    inspect=lambda model: None,
+) -> tuple:
+    """(model, optimizer) in the one build order: the model, the precision's conversion, the
+    parallel wrap, compile (or CUDA graphs), then the optimizer. Sharding (FSDP2) replaces the
+    parameters in the wrap, so the optimizer must come after it; torch.compile wraps the
+    parallel module, as torch recommends for DDP. `inspect` sees the converted, unwrapped model
+    (the FLOP count). Training and every batch=auto probe are built here."""
+    model = models.build(c.model, spec.num_classes, spec.input_shape, device, spec.task)
+    prec.sharded = dd.grouped and c.parallel.strategy == "fsdp"  # a world of one too
+    model = prec.convert(model)
+    optim_states.to_weights(c.optimizer, model)  # optimizer.state=bf16: bf16 weights
+    prec.kept = fp32_layers.keep(model, c.precision.keep_fp32, device.type, set(prec.owned()))
+    inspect(model)
+    sharding.check(c.parallel, prec, c.model, c.optimizer)
+    if prec.sharded:  # sharding replaces the parameters
+        model = sharding.shard(model, c.parallel, prec, models.blocks_of(model), dd.mesh)
+    else:
+        model = distributed.wrap(model, dd, device)
+    if c.model.cuda_graphs:  # a fixed batch shape: the one every training step has
+        x = example(c, spec.input_shape, device, spec.batch, spec.num_classes, spec.task)
+        compiling.capture_graphs(models.unwrap(model), x, prec)
+    model = compiling.compiled(model, c.model)
+    clipping = c.trainer.clip_grad_norm is not None
+    optim_states.check_run(c.optimizer, prec, device, dd.world, clipping)
+    return model, optim.build_optimizer(c.optimizer, models.unwrap(model), lr, device)
+
+
+def _flops_and_peak(model, data, hw, prec, device) -> tuple[int | None, float | None]:
+    """Training FLOPs per sample and the dense peak they could reach: the precision's peak for
+    the share of FLOPs in the modules it owns (precision=fp8: float8 and bf16 blended).
+    (None, None) where the profile knows no peak (the count is skipped)."""
+    if not prec.peak_tflops(hw.peak_tflops, 0.0):
+        return None, None
+    count = lambda names: flops.train_flops(  # noqa: E731
+        model, data.input_shape, data.num_classes, device, prec.autocast, names, data.task
+    )
+    total, owned = count(set(prec.owned()))
+    if not total:  # the counter could not count this model (flops.train_flops said why)
+        return None, None
+    peak = prec.peak_tflops(hw.peak_tflops, owned / total if total else 0.0)
+    if prec.kept and total:  # precision.keep_fp32: their FLOPs run at the fp32 (or TF32) peak
+        kept_share = count(set(prec.kept))[1] / total
+        fp32 = hw.peak_tflops.get("tf32" if prec.tf32 else "fp32")
+        peak = flops.blended_peak(peak, fp32, kept_share)
+    return total, peak
+
+
+def probes(c: TrainConfig, device: torch.device) -> tuple:
+    """batch=auto's probes: (a fresh learner for a micro-batch size, an input batch of that
+    size), built by assemble like training, but on no other rank (distributed.probe_dist:
+    unwrapped, or parallel=fsdp sharded over this rank alone). Called on every rank."""
+    num_classes, shape = datasets.spec(c.data)
+    task = datasets.task(c.data)
+    alone = distributed.probe_dist(c.parallel.strategy == "fsdp", device.type)
+
+    def new_learner(b: int) -> loop.Learner:
+        prec = new_precision(c, device)
+        spec = Spec(num_classes, shape, b, task)
+        model, opt = assemble(c, prec, spec, device, alone, 1e-6)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+        return loop.Learner(model, opt, sched, prec, task)
+
+    def inputs(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = example(c, shape, device, b, num_classes, task)
+        return x, task.targets(b, shape, num_classes, device)
+
+    return new_learner, inputs
+
+
+def audit_inputs(c: TrainConfig) -> tuple[torch.nn.Module, torch.Tensor, precision.Precision]:
+    """(model, example batch, precision) for `python -m mixprec.diagnose` (no data, no training)."""
+    hw = resolve_hardware(c)
+    device = hardware.setup(hw)
+    process.apply(process_settings(c, hw), device)
+    prec = new_precision(c, device)
+    num_classes, shape = datasets.spec(c.data)
+    task = datasets.task(c.data)
+    model = prec.convert(models.build(c.model, num_classes, shape, device, task))
+    prec.kept = fp32_layers.keep(model, c.precision.keep_fp32, device.type, set(prec.owned()))
+    return model, example(c, shape, device, 2, num_classes, task), prec
+
+
+def example(
+    c: TrainConfig, input_shape, device, n: int = 2, num_classes: int = 2, task=tasks.CLASSIFY
+) -> torch.Tensor:
+    """A random input batch of the task's kind (images in the model's memory format, or
+    token ids)."""
+    fmt = torch.channels_last if c.model.channels_last else torch.contiguous_format
+    return task.inputs(n, input_shape, num_classes, device, fmt)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def announce(p: Parts) -> None:
+    c, prec, device = p.config, p.learner.precision, p.device
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    log.info("hardware=%s (%s), torch %s", p.hw.name, gpu, torch.__version__)
+    log.info(prec.describe())
+    for warning in prec.advice(compiled=c.model.compile):
+        log.warning(warning)
+    log.info(
+        "model=%s data=%s batch=%d accum=%d world=%d -> effective batch %d; lr %.4g (%s "
+        "scaling from %.4g at %d); %d optimizer steps",
+        c.model.label,
+        c.data.name,
+        p.layout.batch,
+        p.layout.accum,
+        p.layout.world,
+        p.layout.effective,
+        p.lr,
+        c.optimizer.scale_lr,
+        c.optimizer.lr,
+        c.optimizer.base_batch,
+        p.plan.total_steps,
+    )

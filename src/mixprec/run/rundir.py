@@ -1,0 +1,266 @@
+"""One writer per run dir, and what a run dir that already holds a run means.
+
+- An advisory lock (flock on `<run dir>/.lock`) is held for the run's life. The kernel drops it
+  when the process ends, however it ends, so a lock file left by a dead process is simply taken
+  over (the file says whose it was); a live holder makes a second run stop with RunDirBusy.
+- A run dir that holds a run (metrics.jsonl, summary.json or checkpoints/) is continued only with
+  `resume=...`, started over only with `overwrite=true`, and otherwise refused: re-running into
+  it by accident would append to its metrics and replace its checkpoints.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import logging.handlers
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+from mixprec.core import files
+from mixprec.core.errors import ConfigError, RunDirBusy
+
+log = logging.getLogger(__name__)
+# what marks a mixprec run (last.dcp: ckpt.sharded's checkpoints)
+RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints/last.pt", "checkpoints/last.dcp")
+DIAGNOSE_FILES = ("diagnose.md", "diagnose.json", "loss_scale.png")
+
+
+def made_by_a_run() -> tuple[str, ...]:
+    """What a run may leave in its run dir: checkpoints, every sink's files, diagnostics."""
+    from mixprec import sinks
+
+    return ("checkpoints", *sinks.run_files(), *DIAGNOSE_FILES)
+
+
+class RunDirLock:
+    """`with RunDirLock(run_dir):` while training; RunDirBusy if another process holds it."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / ".lock"
+        self.fd: int | None = None
+
+    def __enter__(self) -> RunDirLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise RunDirBusy(
+                f"run dir {self.path.parent} is in use by {holder}; one writer per "
+                "run dir: wait for it, stop it, or choose another hydra.run.dir"
+            ) from None
+        previous = _read_holder(fd)
+        if previous != "an unknown process":
+            log.info("run dir lock: took over the lock left by %s (no longer running)", previous)
+        self.fd = fd
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        try:
+            with files.space_checked(self.path):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(holder).encode(), 0)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _unlink_if_free(lock: Path) -> bool:
+    """Remove a lock file no live process holds (and say whether it is gone). A refused run
+    must not remove a live run's lock: that run may still be building, with nothing but its
+    lock in the dir, and a third run would then take the dir beside it."""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    try:
+        lock.unlink(missing_ok=True)  # while holding it: no one takes it between the two
+    finally:
+        os.close(fd)
+    return True
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {info['pid']} on {info['host']} (since {info['since']})"
+    except (ValueError, KeyError, OSError):
+        return "an unknown process"
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    return any((run_dir / name).exists() for name in RUN_FILES)
+
+
+def prepare(run_dir: Path, resume: str | None, overwrite: bool) -> None:
+    """Apply the rule for a run dir that already holds a run (call with the lock held):
+    resume=auto continues it; a new run (resume=null, or from another run's checkpoint) needs
+    an empty run dir or overwrite=true. What dead writers left half-written goes first."""
+    clean_stale(run_dir)
+    if not holds_a_run(run_dir) or resume == "auto":
+        return
+    if overwrite and resume and _inside(Path(resume).expanduser(), run_dir):
+        raise ConfigError(
+            f"resume={resume} with overwrite=true: overwrite would delete the checkpoint this run "
+            "resumes from. Continue the run with resume=auto, or start it over with "
+            "overwrite=true and no resume"
+        )
+    if not overwrite:
+        raise ConfigError(
+            f"run dir {run_dir} already holds a run; continue it with "
+            f"resume=auto, start it over with overwrite=true, or choose another "
+            "hydra.run.dir"
+        )
+    remove_run(run_dir)
+    log.warning("overwrite=true: removed the previous run's files from %s", run_dir)
+
+
+def clean_stale(run_dir: Path) -> None:
+    """With the lock held: remove the temp files of writers that are no longer alive
+    (files.write_atomic's `.NAME.PID.tmp`: a SIGKILL mid-write leaves one of a checkpoint's
+    full size) and sharded checkpoints whose write never finished (`.step_N.dcp.partial`
+    without its meta.pt)."""
+    from mixprec.checkpoint.dcp import is_dcp
+
+    for folder in (run_dir, run_dir / "checkpoints", run_dir / ".hydra"):
+        if not folder.is_dir():
+            continue
+        for tmp in folder.glob(".*.tmp"):
+            pid = tmp.name.rsplit(".", 2)[-2]
+            if pid.isdigit() and not _alive(int(pid)):
+                tmp.unlink(missing_ok=True)
+                log.info("removed %s, left by a writer that is gone (pid %s)", tmp, pid)
+        for partial in folder.glob(".step_*.dcp.partial"):
+            if not is_dcp(partial):
+                shutil.rmtree(partial, ignore_errors=True)
+                log.info("removed %s, a sharded checkpoint whose write never finished", partial)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_run(run_dir: Path) -> None:
+    """Remove what a run left in its run dir (and nothing else that lives there)."""
+    for name in made_by_a_run():
+        path = run_dir / name
+        if name == "checkpoints" and path.is_dir():  # ours only: last.pt and step_*.pt
+            for ckpt in [path / "last.pt", path / "last.dcp", *path.glob("step_*.pt")]:
+                ckpt.unlink(missing_ok=True)  # (last.dcp: a symlink)
+            for shards in [*path.glob("step_*.dcp"), *path.glob(".step_*.dcp.partial")]:
+                shutil.rmtree(shards)
+            if not any(path.iterdir()):
+                path.rmdir()
+        elif path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _inside(path: Path, run_dir: Path) -> bool:
+    try:
+        return path.resolve().is_relative_to(run_dir.resolve())
+    except OSError:
+        return False
+
+
+class LogFile(logging.FileHandler):
+    """train.log; a write it cannot make (a full disk) turns it off with one line on stderr
+    instead of a traceback per record, and the run goes on (its own writes say what failed)."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            self.failed = True
+            sys.stderr.write(
+                f"mixprec: cannot write {self.baseFilename} ({sys.exc_info()[1]}); "
+                "it stops here, the console log goes on\n"
+            )
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+
+class Journal:
+    """What a run records about itself in its run dir beside its results: Hydra's files
+    (`.hydra/config.yaml`, `hydra.yaml`, `overrides.yaml`) and the console log (`train.log`).
+
+    Nothing is written until the run is accepted (the lock is held, the config and the run dir's
+    rule passed, a resume fitted): until then log records are held in memory, and a refused run
+    drops them and removes the run dir Hydra made for it if it is still empty. So a refused run
+    never relabels or appends to the run it was refused from. A multirun job accepts at once: its
+    dir is new, and the sweep's report reads its config and log even when it failed."""
+
+    def __init__(self) -> None:
+        self.buffer = logging.handlers.MemoryHandler(1_000_000, flushLevel=logging.CRITICAL + 1)
+        self.file: logging.Handler | None = None
+        self.run_dir: Path | None = None
+        logging.getLogger().addHandler(self.buffer)
+
+    def accept(self, run_dir: Path, cfg) -> None:
+        """Write Hydra's files into `run_dir` and the held log records into its train.log."""
+        if self.file is not None:
+            return
+        from mixprec.core import launch
+
+        hydra_files = launch.hydra_files(cfg)
+        if hydra_files:
+            (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+            for name, text in hydra_files.items():
+                files.write_atomic(run_dir / ".hydra" / name, text)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = LogFile(run_dir / "train.log")
+        self.file.setFormatter(
+            logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+        )
+        self.buffer.setTarget(self.file)
+        self.buffer.flush()
+        logging.getLogger().addHandler(self.file)
+        logging.getLogger().removeHandler(self.buffer)
+
+    def close(self, run_dir: Path | None) -> None:
+        """End of the run: close train.log, or (never accepted) drop the held records and the
+        empty run dir Hydra made."""
+        root = logging.getLogger()
+        root.removeHandler(self.buffer)
+        self.buffer.buffer.clear()
+        if self.file is not None:
+            root.removeHandler(self.file)
+            self.file.close()
+        elif run_dir is not None and run_dir != Path(".") and run_dir.is_dir():
+            left = {p.name for p in run_dir.iterdir()}
+            if left <= {".lock"} and _unlink_if_free(run_dir / ".lock"):  # made for this run
+                try:
+                    run_dir.rmdir()
+                except OSError:  # another run started writing into it meanwhile
+                    pass
