@@ -238,3 +238,34 @@ def test_grad_checkpointing_fallback_and_error():
 
     with pytest.raises(ConfigError, match="model.grad_checkpointing=true: odd does not support"):
         models.enable_grad_checkpointing(Odd(), "odd")
+
+
+def test_batch_auto_larger_than_the_data_becomes_the_datas_samples(tmp_path):
+    """A user's small model on a small dataset: memory takes 62,256 per micro-batch (seen on an
+    H200), the data holds fewer samples per process; the batch becomes them (a multiple of 8) and
+    the data is loaded again at it. Not for a batch the user gave."""
+    from mixprec.data import Context, Workers
+    from mixprec.data import build as load_data
+    from mixprec.run.build import fit_auto_batch_to_data
+    from mixprec.run.config import validate
+    from mixprec.run.layout import Layout
+
+    from conftest import compose_cfg
+
+    data_cfg = validate(compose_cfg(["data=digits", "hardware=cpu"])).data
+    ctx = lambda b: Context(b, torch.device("cpu"), 0, False, 0, 1, Workers(0, False, False))  # noqa: E731
+    loads = []
+
+    def load(batch):
+        loads.append(batch)
+        return load_data(data_cfg, ctx(batch))
+
+    layout = Layout(62256, 1, 1)
+    layout.max_batch = 64000
+    data = fit_auto_batch_to_data(layout, load(62256), load)
+    samples = data.train.samples
+    assert 0 < samples < 62256 and layout.batch == samples - samples % 8
+    assert loads == [62256, layout.batch] and len(data.train) == 1
+    given = Layout(62256, 1, 1)  # batch=62256 typed: left to plan() to refuse, naming it
+    assert fit_auto_batch_to_data(given, load(62256), load).train.samples == samples
+    assert given.batch == 62256 and loads[-1] == 62256

@@ -391,3 +391,30 @@ def test_the_dtype_audit_the_doctor_and_export_take_a_users_model(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "from own_models import TinyConvNet" in out.stdout
+
+
+@pytest.mark.gpu
+def test_a_users_model_with_batch_auto_and_cuda_graphs_on_the_gpu(tmp_path):
+    """batch=auto searches the user's model under a memory cap and trains at what it found;
+    CUDA graphs replay the user's model and track its eager losses."""
+    gpu = ["hardware=auto", "logger=none", "trainer.log_every=1", "trainer.perf_warmup_steps=2"]
+    over = [*gpu, *PATHS, *CONV, "precision=amp", "trainer.max_steps=12"]
+    try:
+        auto = compose_cfg(
+            [*over, "batch=auto", "hardware.memory_gib=2", f"batch_search.cache={tmp_path}/c"],
+            tmp_path / "auto",
+        )
+        s = run.run(auto)
+        assert s["status"] == "completed" and s["max_batch"] >= s["batch"] >= 8, s
+        assert s["peak_mem_gib"] < 2
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    losses = []
+    for name, extra in (("eager", []), ("graphs", ["model.cuda_graphs=true"])):
+        c = compose_cfg([*over, "batch=32", *extra], tmp_path / name)
+        s = run.run(c)
+        assert s["status"] == "completed" and s["steps"] == 12, s
+        rows = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        losses.append([json.loads(r)["train/loss"] for r in rows if "train/loss" in r])
+    assert losses[1] == pytest.approx(losses[0], rel=0.05)

@@ -168,6 +168,11 @@ class EpochLoader:
         n = len(self.sampler)
         return n // self.batch if self.drop_last else -(-n // self.batch)
 
+    @property
+    def samples(self) -> int:
+        """Samples this process reads per epoch."""
+        return len(self.sampler)
+
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         self.sampler.set_epoch(epoch)
         self.skip, self.epoch = skip, epoch

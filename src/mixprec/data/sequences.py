@@ -34,6 +34,11 @@ class TokenLoader:
         self.epoch, self.skip = 0, 0
         self.offsets = torch.arange(seq_len + 1, device=ctx.device)
 
+    @property
+    def samples(self) -> int:
+        """Windows this process reads per epoch."""
+        return self.per_rank
+
     def __len__(self) -> int:
         full = self.per_rank // self.ctx.batch
         return full if self.shuffle else math.ceil(self.per_rank / self.ctx.batch)

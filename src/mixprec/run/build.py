@@ -96,10 +96,10 @@ def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> 
     seed_everything(c.seed + dd.rank)  # DDP copies rank 0's initial weights to every rank
     prec = new_precision(c, device)
     layout = layouts.resolve(c, hw, device, dd.world, prec, lambda: probes(c, device))
-    data = datasets.build(
+    load = lambda batch: datasets.build(  # noqa: E731
         c.data,
         datasets.Context(
-            layout.batch,
+            batch,
             device,
             c.seed,
             c.model.channels_last,
@@ -108,6 +108,7 @@ def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> 
             datasets.Workers(hw.num_workers, hw.pin_memory, hw.persistent_workers),
         ),
     )
+    data = fit_auto_batch_to_data(layout, load(layout.batch), load)
     lr = optim.scaled_lr(c.optimizer, layout.effective)
     counted: list = []
     model, optimizer = assemble(
@@ -125,6 +126,26 @@ def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> 
     parts = Parts(c, hw, dd, device, layout, data, learner, plan, lr, *counted)
     announce(parts)
     return parts
+
+
+def fit_auto_batch_to_data(layout: layouts.Layout, data, load):
+    """batch=auto measures memory, not data: a small model on a small dataset (yours, say) fits a
+    micro-batch larger than the samples a process reads per epoch. Then the batch is those samples
+    (a multiple of 8 where there are 8), and the data is loaded again at that batch."""
+    samples = getattr(data.train, "samples", 0)
+    if layout.max_batch is None or layout.accum != 1 or len(data.train) >= 1 or not samples:
+        return data  # layouts.plan refuses what is left, naming the batch
+    batch = samples - samples % 8 if samples >= 8 else samples
+    log.warning(
+        "batch=auto: memory takes micro-batches of %d, but this process reads %d samples per "
+        "epoch; using batch %d",
+        layout.batch,
+        samples,
+        batch,
+    )
+    data.close()
+    layout.batch = batch
+    return load(batch)
 
 
 def process_settings(c: TrainConfig, hw: hardware.HardwareConfig) -> process.Settings:
