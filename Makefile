@@ -13,7 +13,12 @@ TORCH_INDEX ?=
 # GPU targets check first, and stop at once on a machine without one (make exits 2)
 NEEDS_GPU = @$(BIN)/python -c "import sys, torch; torch.cuda.is_available() or sys.exit('make $@ needs a CUDA GPU and none is visible (torch.cuda.is_available() is False). On this machine: make train, make test, make lint, make bench-headline, make bench-cpu')"
 
-.PHONY: install train test lint format test-gpu bench bench-headline bench-cpu bench-memory bench-loader bench-profile bench-fast bench-prepared bench-scaling clean
+# make test-min: the fast tests on the oldest torch the code declares (pyproject.toml), in a venv
+# of its own (CI runs it after the full suite)
+MIN_VENV ?= .venv-min
+MIN_CONSTRAINTS := .ci/min-constraints.txt
+
+.PHONY: install train test test-all test-min lint format test-gpu bench bench-headline bench-cpu bench-memory bench-loader bench-profile bench-fast bench-prepared bench-scaling clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml
@@ -26,8 +31,19 @@ $(STAMP): pyproject.toml
 train: $(STAMP)          ## the embedded default: digits, fp32, W&B offline (about 15 s on a 2-core CPU)
 	$(BIN)/python train.py $(ARGS)
 
-test: $(STAMP)           ## the CPU suite (GPU tests skip without CUDA, SLURM tests without a cluster)
+test: $(STAMP)           ## the fast tests: no end-to-end runs, torchrun or SLURM (about 3 min on 2 cores)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow and not slurm" $(PYTEST_ARGS)
+
+test-all: $(STAMP)       ## every CPU test, end-to-end runs included (CI; GPU tests skip without CUDA, SLURM tests without a cluster)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+test-min:                ## the fast tests on the declared minimum torch (.ci/min-constraints.txt), in $(MIN_VENV)
+	test -x $(MIN_VENV)/bin/python || $(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install -q --upgrade pip
+	$(MIN_VENV)/bin/python -m pip install -q -c $(MIN_CONSTRAINTS) torch torchvision
+	$(MIN_VENV)/bin/python -m pip install -q -c $(MIN_CONSTRAINTS) -e ".[test]"
+	$(MIN_VENV)/bin/python -c "import torch; print('test-min: torch', torch.__version__)"
+	$(MIN_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) -m "not slow and not slurm" $(PYTEST_ARGS)
 
 lint: $(STAMP)           ## ruff: lint and format check (CI runs it before the tests)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

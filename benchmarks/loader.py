@@ -4,7 +4,7 @@ rate on synthetic data, measured in one run on generated ImageNet-sized JPEGs.
     python3 benchmarks/loader.py                          # every row (about 15 min on one H200)
     python3 benchmarks/loader.py --rows core,loader       # the CPU ceiling and the loader alone
     python3 benchmarks/loader.py --rows eager --images 20000
-    python3 benchmarks/loader.py --rows fast --overrides model.triton_max_pool=true
+    python3 benchmarks/loader.py --rows fast --overrides model.compile_mode=max-autotune
 
 Rows (--rows, comma-separated groups):
 - core:   the CPU decode ceiling: images/s on one core of what a worker does per image
@@ -324,7 +324,7 @@ def main() -> None:
         "--overrides",
         nargs="*",
         default=[],
-        help="train.py overrides added to every train.py row, e.g. model.triton_max_pool=true",
+        help="train.py overrides added to every train.py row, e.g. model.compile_mode=max-autotune",
     )
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "loader.json")
     a = ap.parse_args()

@@ -181,6 +181,7 @@ def test_effective_batch_that_cannot_be_split_says_so():
     assert abs(micro * accum * 2 - 97) <= 2 * accum
 
 
+@pytest.mark.slow
 def test_effective_batch_with_an_int_batch_derives_accum(cfg_factory):
     cfg = cfg_factory("batch=32", "effective_batch=128", "trainer.max_steps=2")
     run.run(cfg)

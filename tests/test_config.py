@@ -253,6 +253,7 @@ def test_an_emulated_card_keeps_its_memory_but_mfu_uses_the_real_gpus_peaks(monk
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+@pytest.mark.slow
 def test_hardware_device_cuda_without_a_gpu_is_refused_not_ignored(cfg_factory):
     with pytest.raises(ConfigError, match=r"hardware.device=cuda needs a CUDA GPU"):
         run.run(cfg_factory("hardware=auto", "hardware.device=cuda"))
@@ -260,6 +261,7 @@ def test_hardware_device_cuda_without_a_gpu_is_refused_not_ignored(cfg_factory):
     assert s["device"] == "cpu"
 
 
+@pytest.mark.slow
 def test_an_unknown_model_kwarg_is_a_config_error_and_a_known_one_applies(cfg_factory):
     with pytest.raises(ConfigError, match=r"model.kwargs=\{'depth': 3\}.*unexpected keyword"):
         run.run(cfg_factory("+model.kwargs.depth=3"))

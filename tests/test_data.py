@@ -93,6 +93,7 @@ def test_folder_errors_are_clear(cfg_factory, tmp_path, damage, needle):
         run.run(cfg_factory("data=imagenet", f"data.root={root}", *TINY))
 
 
+@pytest.mark.slow
 def test_unreadable_image_fails_with_its_path_or_is_skipped(cfg_factory, tmp_path):
     root = make_folder(tmp_path / "imgs")
     bad = root / "train" / "cat" / "broken.jpg"
@@ -117,6 +118,7 @@ def test_unreadable_image_fails_with_its_path_or_is_skipped(cfg_factory, tmp_pat
     assert summary["status"] == "completed"
 
 
+@pytest.mark.slow
 def test_cifar10_format_files(cfg_factory, tmp_path, monkeypatch):
     from torchvision.datasets import CIFAR10
 
@@ -209,6 +211,7 @@ def torch_equal(a, b) -> bool:
     return a.shape == b.shape and bool((a == b).all())
 
 
+@pytest.mark.slow
 def test_device_decode_names_a_file_it_cannot_decode(cfg_factory, tmp_path):
     root = smooth_jpegs(tmp_path / "imgs")
     Image.new("RGB", (40, 40)).save(root / "train" / "cat" / "odd.png")
@@ -301,6 +304,7 @@ def test_a_persistent_stream_left_part_way_resumes_where_asked(tmp_path):
     assert kept._stream is None
 
 
+@pytest.mark.slow
 def test_a_run_stops_its_persistent_workers_before_it_returns(cfg_factory, tmp_path, monkeypatch):
     """A run that ends mid-epoch leaves persistent workers with batches queued. run() stops them
     before returning (Data.close): left to interpreter exit, torch 2.11 with pinned memory joins

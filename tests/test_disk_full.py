@@ -40,6 +40,7 @@ def fill(disk: Path, leave: int) -> Path:
 ARGS = ["logger=none", "trainer.max_steps=40", "ckpt.every_steps=10", "trainer.log_every=10"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_fills_the_disk_fails_clearly_and_resumes(small_disk, tmp_path):
     run_dir = small_disk / "run"
     filler = fill(small_disk, 600_000)  # the first checkpoint fits, the second does not
@@ -65,6 +66,7 @@ def test_a_checkpoint_that_fills_the_disk_fails_clearly_and_resumes(small_disk, 
     assert all(torch.equal(a[k], b[k]) for k in b)
 
 
+@pytest.mark.slow
 def test_metrics_on_a_full_disk_stop_the_run_with_one_message(small_disk):
     run_dir = small_disk / "run"
     fill(small_disk, 45_000)  # the run's small files fit; the metrics rows soon do not
@@ -84,6 +86,7 @@ def test_metrics_on_a_full_disk_stop_the_run_with_one_message(small_disk):
     assert "failed in" in p.stdout.strip().splitlines()[-1]  # the final line still comes
 
 
+@pytest.mark.slow
 def test_no_room_for_the_lock_is_the_same_error_and_leaves_no_run_dir(small_disk):
     fill(small_disk, 0)
     p = run_train(["logger=none", "trainer.max_steps=2", f"hydra.run.dir={small_disk / 'run'}"])

@@ -147,6 +147,7 @@ def test_debug_locate_names_the_layer_in_summary_and_trains_as_without_it(cfg_fa
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_a_divergence_stop_names_the_layer_without_being_asked(cfg_factory, tmp_path):
     """fp16 whose loss scale collapses (every step skipped, the weights still finite): the
     doctor re-runs the latest batch at the scale of the stop and names the planted layer."""

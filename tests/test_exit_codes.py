@@ -215,10 +215,12 @@ DRIVEN_ELSEWHERE = {
 
 
 @pytest.mark.parametrize("row", sorted(DRIVEN_HERE))
+@pytest.mark.slow
 def test_the_row_ends_with_its_exit_code(row, cfg_factory, tmp_path):
     assert DRIVEN_HERE[row](cfg_factory, tmp_path) == code_of(row)
 
 
+@pytest.mark.slow
 def test_hydras_own_type_error_is_a_config_error_too():
     p = run_train(["seed=1.5", "logger=none"])
     assert p.returncode == code_of("a bad value") and "seed" in p.stderr

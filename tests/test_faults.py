@@ -83,6 +83,7 @@ def test_divergence_in_the_last_steps_is_not_completed(cfg_factory):
     assert s["checkpoint"] is None  # no checkpoint of the broken weights
 
 
+@pytest.mark.slow
 def test_the_divergence_message_promises_no_checkpoint(tmp_path):
     proc = run_train(
         [
@@ -99,6 +100,7 @@ def test_the_divergence_message_promises_no_checkpoint(tmp_path):
     assert "last checkpoint: none written" in out
 
 
+@pytest.mark.slow
 def test_a_torn_metrics_line_blocks_neither_resume_nor_report(cfg_factory, tmp_path):
     cfg = cfg_factory("trainer.max_steps=20", "ckpt.every_steps=10")
     run.run(cfg)
@@ -134,6 +136,7 @@ def test_drop_rows_after_keeps_what_a_resume_repeats(tmp_path):
         (lambda p: torch.save({"format": 1}, p), "incomplete: it has no model"),
     ],
 )
+@pytest.mark.slow
 def test_a_broken_last_checkpoint_is_named(cfg_factory, damage, needle):
     cfg = cfg_factory("trainer.max_steps=2")
     run.run(cfg)
@@ -155,6 +158,7 @@ def test_a_resume_with_another_optimizer_is_a_clear_error(cfg_factory):
         )
 
 
+@pytest.mark.slow
 def test_a_resume_with_another_batch_is_refused_and_leaves_the_run_as_it_was(cfg_factory):
     """A refused resume writes nothing: the finished run keeps its summary, and the correct
     resume afterwards continues it."""
@@ -172,6 +176,7 @@ def test_a_resume_with_another_batch_is_refused_and_leaves_the_run_as_it_was(cfg
     assert again["status"] == "completed" and again["steps"] == 4
 
 
+@pytest.mark.slow
 def test_a_finished_run_dir_is_refused_without_resume_and_started_over_with_overwrite(cfg_factory):
     cfg = cfg_factory("trainer.max_steps=3")
     run.run(cfg)
@@ -185,6 +190,7 @@ def test_a_finished_run_dir_is_refused_without_resume_and_started_over_with_over
     assert steps == [1, 2] and summary(d)["steps"] == 2
 
 
+@pytest.mark.slow
 def test_resume_auto_on_a_finished_run_changes_nothing(cfg_factory, caplog):
     caplog.set_level("INFO")
     cfg = cfg_factory("trainer.max_steps=12", "trainer.perf_warmup_steps=1")
@@ -304,6 +310,7 @@ def test_a_second_ctrl_c_exits_at_once(tmp_path):
     assert "a second signal" in out and summary(tmp_path / "run")["status"] == "preempted"
 
 
+@pytest.mark.slow
 def test_resume_auto_on_a_finished_run_without_its_summary_still_answers(cfg_factory):
     cfg = cfg_factory("trainer.max_steps=3")
     run.run(cfg)
@@ -312,6 +319,7 @@ def test_resume_auto_on_a_finished_run_without_its_summary_still_answers(cfg_fac
     assert isinstance(value, float) and 0 <= value <= 1  # val_acc1 from the checkpoint's state
 
 
+@pytest.mark.slow
 def test_a_new_lr_on_resume_is_the_lr_that_trains(cfg_factory):
     """After a divergence a user resumes with a lower lr: the schedule goes on at that base, as
     a run started with it would be at the same step (not at the checkpoint's old lr)."""
@@ -365,6 +373,7 @@ def test_overwrite_leaves_what_no_run_made(cfg_factory, tmp_path):
     assert (d / "checkpoints" / "my_model.pt").exists() and (d / "wandb" / "notes.txt").exists()
 
 
+@pytest.mark.slow
 def test_a_run_killed_before_its_first_checkpoint_restarts_without_duplicate_rows(cfg_factory):
     cfg = cfg_factory("trainer.max_steps=4")
     d = Path(cfg.run_dir)

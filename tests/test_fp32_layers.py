@@ -77,6 +77,7 @@ def test_a_layer_the_precision_converted_cannot_also_be_kept():
         fp32_layers.keep(model, ["3"], "cpu", set())
 
 
+@pytest.mark.slow
 def test_keep_fp32_trains_through_train_py_and_the_audit_lists_it(cfg_factory, tmp_path):
     cfg = cfg_factory(
         "model=llama_tiny",

@@ -163,64 +163,6 @@ def test_cuda_graphs_train_like_eager(cfg_factory, tmp_path):
     assert losses[1] == pytest.approx(losses[0], rel=0.05)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_triton_max_pool_matches_aten_on_the_gpu(dtype):
-    """The Triton kernels on CUDA at ResNet's stem (3x3, stride 2, padding 1, channels-last),
-    eager and compiled: aten's output exactly, and its gradient (fp32 sums of at most four)."""
-    from mixprec.models.ops import TritonMaxPool2d, _use_triton
-
-    x = torch.randn(8, 64, 56, 56, device="cuda").to(dtype)
-    x = x.contiguous(memory_format=torch.channels_last)
-    x[0, :, :2, :2] = 1.0  # ties
-    assert _use_triton(x, [3, 3], [2, 2], [1, 1], [1, 1])
-    g = torch.randn(8, 64, 28, 28, device="cuda", dtype=dtype).contiguous(
-        memory_format=torch.channels_last
-    )
-    got = []
-    for pool in (
-        torch.nn.MaxPool2d(3, 2, 1),
-        TritonMaxPool2d(3, 2, 1),
-        torch.compile(TritonMaxPool2d(3, 2, 1)),
-    ):
-        xi = x.clone().requires_grad_()
-        y = pool(xi)
-        y.backward(g)
-        got.append((y, xi.grad))
-    for y, dx in got[1:]:
-        assert torch.equal(y, got[0][0])
-        assert dx.is_contiguous(memory_format=torch.channels_last)
-        assert torch.allclose(dx.float(), got[0][1].float(), rtol=1e-2, atol=1e-2)
-
-
-def test_triton_max_pool_inside_cuda_graphs_trains_like_inductors_pool(cfg_factory, tmp_path):
-    """model.triton_max_pool under experiment=fast's compile (reduce-overhead: cudagraph trees):
-    the op is captured and replayed, and the run's losses track inductor's own pool."""
-    base = [
-        *GPU_SMALL,
-        "precision=amp",
-        "model.channels_last=true",
-        "trainer.log_every=1",
-        "model.compile=true",
-        "model.compile_mode=reduce-overhead",
-    ]
-    inductor = cfg_factory(*base, small=False)
-    ours = cfg_factory(
-        *base, "model.triton_max_pool=true", f"run_dir={tmp_path / 'a'}", small=False
-    )
-    run.run(inductor)
-    s = run.run(ours)
-    assert s["status"] == "completed" and s["steps"] == 14
-    losses = [
-        [
-            json.loads(l)["train/loss"]
-            for l in (Path(c.run_dir) / "metrics.jsonl").read_text().splitlines()
-            if "train/loss" in l
-        ]
-        for c in (inductor, ours)
-    ]
-    assert losses[1] == pytest.approx(losses[0], rel=0.05)
-
-
 def test_prefetch_on_a_side_stream_delivers_the_same_batches():
     from mixprec.data.loaders import prefetch
 

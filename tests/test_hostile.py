@@ -32,6 +32,7 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_refused_run_leaves_a_live_runs_lock_and_dir(tmp_path):
     """The first run is still building (its dir holds its lock alone); a second one is refused
     (exit 6) and must leave that lock, or a third would take the dir beside the first."""
@@ -49,6 +50,7 @@ def test_a_refused_run_leaves_a_live_runs_lock_and_dir(tmp_path):
     assert bad.returncode == 2 and not refused.exists()
 
 
+@pytest.mark.slow
 def test_resume_auto_without_last_pt_continues_from_the_newest_whole_step(
     tmp_path, cfg_factory, caplog
 ):
@@ -104,6 +106,7 @@ def test_a_sharded_rewrite_cut_between_its_renames_still_has_a_whole_checkpoint(
     assert (d / ".step_00000004.dcp.stale").exists()
 
 
+@pytest.mark.slow
 def test_resume_auto_on_a_finished_run_without_a_checkpoint_does_nothing(tmp_path):
     """ckpt.at_end=false (the table presets): its completed summary is the proof it finished."""
     d = tmp_path / "done"
@@ -115,6 +118,7 @@ def test_resume_auto_on_a_finished_run_without_a_checkpoint_does_nothing(tmp_pat
     assert {n: (d / n).read_bytes() for n in before} == before
 
 
+@pytest.mark.slow
 def test_a_stop_during_a_long_evaluation_checkpoints_the_last_step(tmp_path):
     """The grace (1 s) runs out long before the evaluation (about 6 s) would end: the run stops
     at the evaluation's next batch with the step it evaluated checkpointed, and resumes."""
@@ -152,6 +156,7 @@ def test_a_stop_during_a_long_evaluation_checkpoints_the_last_step(tmp_path):
     assert [r["step"] for r in rows(d) if "val/loss" in r] == [4, 8]
 
 
+@pytest.mark.slow
 def test_temp_files_of_dead_writers_are_removed_when_the_lock_is_taken(cfg_factory):
     cfg = cfg_factory("trainer.max_steps=2")
     run.run(cfg)
@@ -170,6 +175,7 @@ def test_temp_files_of_dead_writers_are_removed_when_the_lock_is_taken(cfg_facto
     assert not any(j.exists() for j in junk) and mine.exists()
 
 
+@pytest.mark.slow
 def test_low_bit_state_checkpoints_export_and_name_the_setting_in_a_fresh_process(tmp_path):
     """A fresh process has not imported torchao, whose classes torch.load then refused: the
     export said "corrupted", and a resume into fp32 state did not name optimizer.state."""
@@ -191,6 +197,7 @@ def test_low_bit_state_checkpoints_export_and_name_the_setting_in_a_fresh_proces
     )
 
 
+@pytest.mark.slow
 def test_token_files_that_cannot_be_read_are_named(tmp_path, cfg_factory):
     from mixprec.core.errors import ConfigError
 
@@ -237,6 +244,7 @@ def test_a_text_split_too_short_to_validate_is_refused_before_training(cfg_facto
     assert not (Path(cfg.run_dir) / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_no_logger_chosen_is_logger_none(tmp_path):
     p = run_train(
         [*SMALL[:1], "logger=[]", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'r'}"]
@@ -255,6 +263,7 @@ def test_no_logger_chosen_is_logger_none(tmp_path):
         (b'{"doctor": 5}', "not a mixprec summary"),
     ],
 )
+@pytest.mark.slow
 def test_diagnose_on_a_summary_it_cannot_read_says_so(tmp_path, content, needle):
     (tmp_path / "summary.json").write_bytes(content)
     p = subprocess.run(
@@ -263,6 +272,7 @@ def test_diagnose_on_a_summary_it_cannot_read_says_so(tmp_path, content, needle)
     assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_diagnose_names_a_missing_run_dir_and_answers_help(tmp_path):
     run_diag = lambda *a: subprocess.run(  # noqa: E731
         [sys.executable, "-m", "mixprec.diagnose", *a], capture_output=True, text=True
@@ -294,6 +304,7 @@ def sharded_run(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("damage", ["shard missing", "shard truncated", "metadata garbage"])
+@pytest.mark.slow
 def test_a_damaged_sharded_checkpoint_is_exit_5_naming_it_at_resume_and_export(
     sharded_run, tmp_path, damage
 ):
@@ -350,6 +361,7 @@ def one_line(p: subprocess.CompletedProcess) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_a_run_dir_that_cannot_be_written_is_exit_9_in_one_line(tmp_path, read_only):
     """A file where the run dir should be; a new run on a read-only filesystem; resume=auto of a
     finished run there: Hydra would make the dir, write .hydra/ and train.log, and fail with a
@@ -379,6 +391,7 @@ def test_a_run_dir_that_cannot_be_written_is_exit_9_in_one_line(tmp_path, read_o
     assert report.returncode == 9 and "cannot write" in one_line(report)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_folder_that_turns_read_only_is_exit_9_and_recorded(tmp_path, read_only):
     """The checkpoints folder is not writable when the first checkpoint is due (a read-only
     mount; as root, permissions would not stop the write): the run stops with exit 9 naming the
@@ -392,6 +405,7 @@ def test_a_checkpoint_folder_that_turns_read_only_is_exit_9_and_recorded(tmp_pat
     assert s["status"] == "failed" and s["exit_code"] == 9 and "read-only" in s["error"].lower()
 
 
+@pytest.mark.slow
 def test_tensorboard_that_cannot_write_mid_run_warns_once_and_training_goes_on(tmp_path, read_only):
     """TensorBoard's writer thread opens its event file again at each write; once the folder is
     read-only it fails there. The sink is dropped with one warning (as a failing W&B is), no
@@ -438,6 +452,7 @@ session.run(compose_cfg({args!r}, {run_dir!r}))
 """
 
 
+@pytest.mark.slow
 def test_a_rank_stopped_as_it_records_its_failure_still_records_it(tmp_path):
     """A rank whose peer died fails in a collective; torchrun then stops it with SIGTERM, which
     arrived while the summary was being written (the stop handlers already gone): it left

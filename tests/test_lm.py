@@ -139,6 +139,7 @@ LM = ["model=llama_tiny", "data=text", "data.max_mb=4", "trainer.log_every=10"]
 SMALL = [*LM, "data.seq_len=64", "batch=16", "data.val_sequences=32"]
 
 
+@pytest.mark.slow
 def test_llama_tiny_learns_real_text_below_the_unigram_baseline(cfg_factory):
     cfg = cfg_factory(*LM, "batch=32", "trainer.max_steps=60", "optimizer.lr=0.003")
     s = run.run(cfg)
@@ -151,6 +152,7 @@ def test_llama_tiny_learns_real_text_below_the_unigram_baseline(cfg_factory):
     assert any("perf/tokens_per_s" in r for r in rows) and any("val/bpb" in r for r in rows)
 
 
+@pytest.mark.slow
 def test_amp_bf16_and_fp32_reach_the_same_loss(cfg_factory):
     """On the CPU (autocast to fp16 or bf16): after 30 steps the val losses agree within 0.05
     nats (the same seed and data; the low-precision matmuls round differently)."""
@@ -161,6 +163,7 @@ def test_amp_bf16_and_fp32_reach_the_same_loss(cfg_factory):
     assert max(losses.values()) - min(losses.values()) < 0.05, losses
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact(cfg_factory, tmp_path):
     base = [
         *LM,
@@ -181,6 +184,7 @@ def test_resume_is_bit_exact(cfg_factory, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_compiled_blocks_train_the_lm(cfg_factory):
     s = run.run(
         cfg_factory(*LM, "trainer.max_steps=4", "model.compile=true", "model.compile_scope=blocks")
@@ -203,6 +207,7 @@ def test_the_fp8_share_of_an_lm_is_its_owned_linears():
     assert fp8 == 32 * 6 * 2 * 3 * 32 * 64  # 2 layers x 3 matrices of 32 x 64
 
 
+@pytest.mark.slow
 def test_a_sweeps_later_job_times_its_own_start_and_compile(cfg_factory):
     """In an in-process sweep, first_step_s and compile_s are the job's own, not the
     process's running totals."""

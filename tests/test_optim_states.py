@@ -79,6 +79,7 @@ def state_bytes(optimizer) -> int:
 
 
 @pytest.mark.parametrize("state, at_most", [("8bit", 0.27), ("4bit", 0.15), ("fp8", 0.27)])
+@pytest.mark.slow
 def test_low_bit_moments_weigh_what_they_claim(state, at_most):
     """After one step the moments of a 1M-parameter layer weigh a quarter (8 bit, fp8) or an
     eighth (4 bit) of fp32's, plus the block scales."""
@@ -100,6 +101,7 @@ def test_low_bit_moments_weigh_what_they_claim(state, at_most):
     assert torch.isfinite(model.weight).all()
 
 
+@pytest.mark.slow
 def test_8bit_states_train_checkpoint_and_resume_bit_exact(cfg_factory):
     common = ["optimizer=adamw", "optimizer.state=8bit", "trainer.max_steps=6"]
     whole = cfg_factory(*common, "ckpt.every_steps=3", "ckpt.keep=2")
@@ -151,6 +153,7 @@ def test_torchao_optimizers_get_timms_groups_no_decay_on_biases_and_norms():
     assert sorted(set(decay_of(low).values())) == [0.0, 0.05]
 
 
+@pytest.mark.slow
 def test_bf16_state_keeps_bf16_weights_rounds_stochastically_and_resumes_bit_exact(cfg_factory):
     """optimizer.state=bf16: weights and moments in bf16 (no fp32 copy), and it learns: the
     digits CNN reaches a val top-1 far above chance in 30 steps. Resumed from step 15 of 30, it

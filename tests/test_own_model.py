@@ -89,6 +89,7 @@ def test_an_own_lm_resumes_bit_exact_from_a_mid_run_checkpoint(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_declared_blocks_compile_one_by_one_and_checkpoint(tmp_path, caplog):
     over = [*LM, "trainer.max_steps=3", "batch=8", "model.compile=true"]
     with caplog.at_level("INFO", logger="mixprec.models"):
@@ -258,6 +259,7 @@ def test_data_target_on_a_built_in_dataset_points_to_data_custom(tmp_path):
         validate(cfg(tmp_path, "+data.target=own_data:blobs"))
 
 
+@pytest.mark.slow
 def test_a_target_that_cannot_be_imported_exits_2_through_train_py(tmp_path):
     p = run_train([*SMALL, "model.target=nowhere:Net", f"hydra.run.dir={tmp_path / 'r'}"])
     assert p.returncode == 2, p.stderr[-2000:]
@@ -273,6 +275,7 @@ HF_LM = ["model=hf_llama_tiny", "data=text", "data.seq_len=32", "data.max_mb=1",
     [HF_LM, ["model=hf_vit_tiny"]],
     ids=["llama", "vit"],
 )
+@pytest.mark.slow
 def test_hugging_face_models_from_a_config_train_on_the_cpu(tmp_path, overrides):
     pytest.importorskip("transformers")
     over = [*overrides, "trainer.max_steps=12", "optimizer.lr=0.003", "scheduler=constant"]
@@ -368,6 +371,7 @@ def test_an_own_lm_and_an_hf_llama_train_in_fp8_compiled_per_block_on_the_gpu(tm
         assert abs(losses["fp8"] - losses["bf16"]) < 0.1 * losses["bf16"], (name, losses)
 
 
+@pytest.mark.slow
 def test_the_dtype_audit_the_doctor_and_export_take_a_users_model(tmp_path):
     """diagnose=true (the dtype audit and tensor-core check), debug.locate=true (the doctor's
     hooks) and `python -m mixprec.export`, on a model from tests/plugins under amp."""

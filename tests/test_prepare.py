@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 from test_data import TINY
 
@@ -77,6 +78,7 @@ def test_the_prepared_pixels_are_the_resized_original(tmp_path):
     assert psnr > 30, psnr
 
 
+@pytest.mark.slow
 def test_bad_input_exits_with_its_code_and_writes_nothing(tmp_path, caplog):
     src = folder(tmp_path / "src")
     dst = tmp_path / "dst"
@@ -119,6 +121,7 @@ def test_dst_inside_src_is_refused_and_src_is_left_as_it_was(tmp_path, caplog):
     assert _tree(src) == before and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+@pytest.mark.slow
 def test_a_symlink_loop_or_a_dangling_symlink_is_an_unreadable_image(tmp_path, caplog):
     src, dst = folder(tmp_path / "src"), tmp_path / "dst"
     cat = src / "train" / "cat"

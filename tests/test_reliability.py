@@ -142,6 +142,7 @@ def test_resume_auto_without_a_checkpoint_starts_fresh(cfg_factory):
     assert json.loads((Path(cfg.run_dir) / "summary.json").read_text())["steps"] == 2
 
 
+@pytest.mark.slow
 def test_fault_during_checkpoint_write_leaves_the_previous_one(cfg_factory, monkeypatch):
     cfg = cfg_factory("trainer.max_steps=2")
     run.run(cfg)
@@ -182,6 +183,7 @@ def test_checkpoint_that_would_run_code_is_refused(tmp_path):
         checkpoint.load(path)
 
 
+@pytest.mark.slow
 def test_checkpoint_from_another_model_is_a_clear_error(cfg_factory, tmp_path):
     first = cfg_factory("trainer.max_steps=1")
     run.run(first)
@@ -195,6 +197,7 @@ def test_checkpoint_from_another_model_is_a_clear_error(cfg_factory, tmp_path):
         run.run(other)
 
 
+@pytest.mark.slow
 def test_fp32_checkpoint_resumed_with_amp_gets_a_fresh_scaler(cfg_factory, tmp_path, caplog):
     first = cfg_factory("trainer.max_steps=2")
     run.run(first)

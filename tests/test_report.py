@@ -131,6 +131,7 @@ def test_grad_histograms_see_true_not_scaled_gradients():
     assert out.grads.numel() == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_grad_histograms_are_taken_on_logged_steps_at_their_real_step(cfg_factory):
     """diagnose=true: one histogram per logged step, at that step's number (never a skipped
     step's inf/nan gradients), continuing from the checkpoint's step after a resume."""

@@ -72,6 +72,7 @@ def check_run_dir(d: Path, wandb: bool = True) -> dict:
 
 
 @pytest.mark.parametrize("preset", group_options("experiment"))
+@pytest.mark.slow
 def test_every_experiment_preset_runs_two_steps(cfg_factory, preset):
     # experiment=fast and fp8_table compile: minutes on a 2-core CPU. Compile itself is tested on
     # a tiny model (test_speed.py); here the rest of the preset runs eagerly.
@@ -139,6 +140,7 @@ def test_report_table_has_ratios_to_fp32(tmp_path):
     assert t[2]["status"] == "failed" and t[2]["speedup_vs_fp32"] is None
 
 
+@pytest.mark.slow
 def test_mfu_is_reported_when_the_peak_is_known(cfg_factory):
     cfg = cfg_factory("+hardware.peak_tflops.fp32=0.5", "trainer.max_steps=12")
     summary = run.run(cfg)
@@ -171,6 +173,7 @@ def test_report_pools_seeds():
     assert pooled["precision=bf16"]["val_acc1"] == pytest.approx((0.9, 0.1))
 
 
+@pytest.mark.slow
 def test_an_in_process_sweeps_next_job_builds_without_the_last_jobs_model(cfg_factory, monkeypatch):
     """A finished job's model and optimizer sit in reference cycles; the next job of the same
     process must not build and train beside them (on a GPU their memory was in its peak)."""

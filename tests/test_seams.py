@@ -170,6 +170,7 @@ def test_a_logger_key_no_chosen_sink_reads_is_a_config_error():
     ]
 
 
+@pytest.mark.slow
 def test_every_key_a_run_logs_is_declared_in_the_metric_registry(cfg_factory):
     cfg = cfg_factory(
         "precision=amp", "diagnose=true", "trainer.max_steps=6", "trainer.log_every=2"
@@ -183,6 +184,7 @@ def test_every_key_a_run_logs_is_declared_in_the_metric_registry(cfg_factory):
     assert declared - {"max_batch"} <= set(out)  # every summary value the registry names
 
 
+@pytest.mark.slow
 def test_val_acc5_as_an_objective_is_one_registry_line(cfg_factory, monkeypatch):
     monkeypatch.setattr(
         metrics,

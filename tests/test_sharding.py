@@ -57,6 +57,7 @@ def test_what_fsdp_cannot_take_is_refused_before_training(cfg_factory, extra, ne
         run.run(cfg_factory("parallel=fsdp", *extra))
 
 
+@pytest.mark.slow
 def test_two_sharded_processes_match_one_process_and_resume_bit_exact(tmp_path):
     """2 ranks x batch 4 x accum 2 under FSDP2 (each rank holds half of every block) train as
     one process with batch 8 x accum 2: the same losses and final weights (to float rounding:
@@ -110,6 +111,7 @@ def test_a_checkpoint_resumes_only_under_the_strategy_that_wrote_it(cfg_factory)
         run.run(cfg_factory(*again))
 
 
+@pytest.mark.slow
 def test_export_writes_plain_weights_and_refuses_a_dir_without_a_checkpoint(cfg_factory, tmp_path):
     cfg = cfg_factory("model=digits_mlp", "trainer.max_steps=2")
     run.run(cfg)
@@ -130,6 +132,7 @@ def test_export_writes_plain_weights_and_refuses_a_dir_without_a_checkpoint(cfg_
     assert empty.returncode == 2 and "no checkpoint" in empty.stderr
 
 
+@pytest.mark.slow
 def test_a_sharded_run_resumes_on_another_world_size_with_the_same_global_batch(tmp_path):
     """Written by 2 sharded processes (batch 4) at step 2, resumed by 1 process (batch 8), and
     the other way round: the same global batch, so the same samples per step; the state is spread
@@ -170,6 +173,7 @@ def test_another_global_batch_is_still_refused_on_resume():
         checkpoint.check_fits(blob, Path("x.pt"), {"batch": 8, "accum": 1, "world": 2})
 
 
+@pytest.mark.slow
 def test_fp16_under_sharding_skips_on_every_rank_when_one_shard_overflows(tmp_path):
     """Each rank holds only its shard of the gradients: an overflow in rank 1's shard alone must
     make both ranks skip the step and back off the same scale. torch's own GradScaler does it
@@ -183,6 +187,7 @@ def test_fp16_under_sharding_skips_on_every_rank_when_one_shard_overflows(tmp_pa
     assert {r["scale"] for r in rows} == {16384.0}  # 65536 halved twice, the same on both
 
 
+@pytest.mark.slow
 def test_fp16_with_a_grad_scaler_trains_sharded_as_one_process(tmp_path):
     amp = ["precision=amp", "accum=2", "trainer.max_steps=3"]
     one = run_train([*LM, *amp, "batch=8", f"hydra.run.dir={tmp_path / 'one'}"])
@@ -198,6 +203,7 @@ def test_fp16_with_a_grad_scaler_trains_sharded_as_one_process(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_each_sharded_block_compiles_and_trains_as_one_eager_process(tmp_path):
     """compile_scope=blocks under FSDP2: each sharded block compiled in place (inductor on the
     CPU here), the losses of one eager process to compile's rounding."""
@@ -212,6 +218,7 @@ def test_each_sharded_block_compiles_and_trains_as_one_eager_process(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_sharded_checkpoints_each_rank_writes_its_shard_and_resume_reshards(tmp_path):
     """ckpt.sharded=true under 2 FSDP2 ranks: each checkpoint is a DCP directory with one shard
     file per rank, its metadata and meta.pt, renamed into place whole (no partial dir left),
@@ -295,6 +302,7 @@ def test_a_dir_holding_only_sharded_checkpoints_holds_a_run_and_overwrite_remove
     assert sorted(p.name for p in ckpts.iterdir()) == ["notes.txt"]
 
 
+@pytest.mark.slow
 def test_batch_auto_probes_fsdp2_over_each_rank_alone_and_waits_on_no_other_rank(tmp_path):
     """batch=auto under parallel=fsdp: the probes are FSDP2 over a mesh of this rank alone (all
     of the state, where training gives each rank a share: an upper bound on its memory), and a

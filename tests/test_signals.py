@@ -58,6 +58,7 @@ class WhoServes(Noisy):
         return super().__getitem__(i)[0], torch.tensor([i, os.getppid()])
 
 
+@pytest.mark.slow
 def test_workers_beside_a_process_group_on_an_old_python_start_from_a_forkserver(monkeypatch):
     """CPython before 3.11.10 can hang a child forked while another thread creates a Python
     thread state (gh-112275), which torch.distributed's threads do after every collective.
@@ -284,6 +285,7 @@ def test_the_same_signal_twice_at_once_is_one_stop(tmp_path, images):
     stopped_at_a_checkpoint(tmp_path, proc, signal.SIGINT)
 
 
+@pytest.mark.slow
 def test_a_run_that_hangs_fails_with_its_stacks_and_leaves_no_process(tmp_path):
     """The harness every test here waits through: a process that exits while its child still
     holds the output (a rank of torchrun, in a session of its own, stuck after its agent)

@@ -41,6 +41,7 @@ def losses(cfg) -> list[float]:
     return [r["train/loss"] for r in map(json.loads, rows) if "train/loss" in r]
 
 
+@pytest.mark.slow
 def test_compile_trains_a_tiny_model_like_eager(cfg_factory, tmp_path):
     eager = cfg_factory("model=digits_mlp", "trainer.max_steps=3", "+model.kwargs.width=16")
     compiled = cfg_factory(
@@ -56,6 +57,7 @@ def test_compile_trains_a_tiny_model_like_eager(cfg_factory, tmp_path):
     assert losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_compile_options_sit_on_top_of_the_mode_and_bad_keys_are_named(
     cfg_factory, tmp_path, monkeypatch
 ):
@@ -118,6 +120,7 @@ class Probe(torch.nn.Module):
 
 
 @pytest.mark.parametrize("scope", ["model", "blocks"])
+@pytest.mark.slow
 def test_an_evaluating_model_launches_its_kernels_untuned_and_training_tunes(cfg_factory, scope):
     """With coordinate-descent tuning on, kernels first launched by the compiled model in eval
     mode keep inductor's starting config (the first evaluation of experiment=fast spent ~14 s
@@ -172,147 +175,6 @@ def test_compile_options_are_unused_not_an_error_without_compile(cfg_factory, ca
     )
 
 
-POOLS = [
-    ((3, 2, 1), {}),
-    ((2,), {}),
-    ((3, 2), {"ceil_mode": True}),
-    ((3, 1, 1), {}),
-    ((2, 3, 1), {"ceil_mode": True}),
-]
-
-
-def pool_pair(args, kw, x):
-    """nn.MaxPool2d's and TritonMaxPool2d's outputs and input gradients for one input."""
-    from mixprec.models.ops import TritonMaxPool2d
-
-    got = []
-    for pool in (torch.nn.MaxPool2d(*args, **kw), TritonMaxPool2d(*args, **kw)):
-        xi = x.clone().requires_grad_()
-        y = pool(xi)
-        y.backward(torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape) % 7 - 3)
-        got.append((y, xi.grad))
-    return got
-
-
-def test_triton_max_pool_kernels_match_aten_under_the_interpreter(tmp_path):
-    """The Triton kernels themselves, run by Triton's CPU interpreter: the same outputs and
-    gradients as aten for ResNet's stem pool, ceil_mode, overlapping and strided windows, fp32
-    and fp16, with a NaN and ties in the input (the first maximum takes the gradient); and no
-    hidden layout copy or zero fill around them (on the GPU such copies cost more than the
-    kernels: benchmarks/RESULTS.md, session 9)."""
-    script = tmp_path / "interp.py"
-    script.write_text(f"""
-import sys, torch
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-from test_speed import POOLS, pool_pair
-import mixprec.models.ops as ops
-launched, real = [], ops._launch
-ops._launch = lambda kernel, *a: launched.append(kernel) or real(kernel, *a)
-for args, kw in POOLS:
-    for dtype in (torch.float32, torch.float16):
-        x = torch.randn(2, 8, 11, 9, generator=torch.Generator().manual_seed(0)).to(dtype)
-        x[0, 0, 0, 0], x[1, 1, 2:5, 2:5] = float("nan"), 1.0
-        x = x.contiguous(memory_format=torch.channels_last)
-        launched.clear()
-        (want, gwant), (got, ggot) = pool_pair(args, kw, x)
-        assert launched == [ops._forward_kernel, ops._backward_kernel]  # not the aten path
-        assert torch.equal(got.nan_to_num(9), want.nan_to_num(9)), (args, kw, dtype)
-        assert got.is_contiguous(memory_format=torch.channels_last)
-        assert ggot.is_contiguous(memory_format=torch.channels_last)
-        tol = 0 if dtype == torch.float32 else 1e-2  # aten's CPU kernel sums fp16 in fp16
-        assert torch.allclose(ggot, gwant, atol=tol, rtol=0), (args, kw, dtype)
-from torch.profiler import profile  # no layout copy, no zero-filled gradient for the offsets
-x = torch.randn(2, 8, 12, 12).contiguous(memory_format=torch.channels_last).requires_grad_()
-with profile() as prof:
-    y = ops.max_pool2d(x, [3, 3], [2, 2], [1, 1], [1, 1], False)[0]
-    y.backward(torch.randn_like(y))
-ran = {{e.name for e in prof.events()}}
-assert not ran & {{"aten::clone", "aten::contiguous", "aten::zeros", "aten::fill_"}}, ran
-print("ok")
-""")
-    import subprocess
-    import sys
-
-    r = subprocess.run(
-        [sys.executable, str(script)],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
-
-
-@pytest.mark.parametrize(
-    "args,kw,fmt",
-    [
-        *((args, kw, torch.channels_last) for args, kw in POOLS),
-        ((3, 2, 1), {}, torch.contiguous_format),
-        ((3, 2), {"dilation": 2}, torch.channels_last),
-    ],
-)
-def test_triton_max_pool_op_is_nn_max_pool_and_inductor_leaves_it_alone(args, kw, fmt):
-    """The op's aten path (CPU, NCHW, dilation) gives nn.MaxPool2d's output and gradient through
-    its int8 window offsets, eager and compiled; the compiled forward and backward call the op
-    instead of an inductor kernel."""
-    from torch._inductor.utils import run_and_get_code
-
-    from mixprec.models.ops import TritonMaxPool2d
-
-    x = torch.randn(2, 8, 15, 13).contiguous(memory_format=fmt)
-    (want, gwant), (got, ggot) = pool_pair(args, kw, x)
-    assert torch.equal(got, want) and torch.equal(ggot, gwant)
-    assert ggot.is_contiguous(memory_format=fmt)
-    pool = torch.compile(TritonMaxPool2d(*args, **kw))
-
-    def step():
-        xi = x.clone().requires_grad_()
-        y = pool(xi)
-        y.backward(torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape) % 7 - 3)
-        return y, xi.grad
-
-    (y, g), code = run_and_get_code(step)
-    assert torch.equal(y, want) and torch.equal(g, gwant)
-    code = "\n".join(code)
-    assert "torch.ops.mixprec.max_pool2d.default" in code
-    assert "torch.ops.mixprec.max_pool2d_backward.default" in code
-
-
-def test_triton_max_pool_swap_keeps_windows_its_int8_offsets_cannot_address():
-    from mixprec.models.ops import TritonMaxPool2d, use_triton_max_pool
-
-    model = torch.nn.Sequential(
-        torch.nn.MaxPool2d(3, 2, 1),
-        torch.nn.MaxPool2d((11, 11)),
-        torch.nn.MaxPool2d(12),
-        torch.nn.MaxPool2d(2, return_indices=True),
-    )
-    assert use_triton_max_pool(model) == 2
-    assert [type(m) for m in model] == [
-        TritonMaxPool2d,
-        TritonMaxPool2d,
-        torch.nn.MaxPool2d,
-        torch.nn.MaxPool2d,
-    ]
-    x = torch.randn(1, 2, 23, 23, requires_grad=True)
-    (g_ours,) = torch.autograd.grad(model[1](x).sum(), x)  # offsets up to 120
-    (g_aten,) = torch.autograd.grad(torch.nn.functional.max_pool2d(x, 11).sum(), x)
-    assert torch.equal(g_ours, g_aten)
-
-
-def test_triton_max_pool_switch_swaps_the_pools_and_trains_like_the_default(
-    cfg_factory, tmp_path, caplog
-):
-    base = ["model=digits_cnn", "trainer.max_steps=3", "+model.kwargs.width=8"]
-    plain = cfg_factory(*base)
-    ours = cfg_factory(*base, "model.triton_max_pool=true", f"run_dir={tmp_path / 'ours'}")
-    run.run(plain)
-    with caplog.at_level("INFO", logger="mixprec.models"):
-        assert run.run(ours)["status"] == "completed"
-    assert "model.triton_max_pool: 1 nn.MaxPool2d run mixprec::max_pool2d" in caplog.text
-    assert losses(ours) == losses(plain)
-
-
 def test_counting_flops_does_not_compile_the_model_for_another_shape():
     """The MFU FLOP count must not run the compiled model. On the H200 (torch 2.11) a compiled
     forward first called under FlopCounterMode was never compiled afterwards: train.py with
@@ -339,6 +201,7 @@ def test_counting_flops_does_not_compile_the_model_for_another_shape():
     assert len(graphs) == 1
 
 
+@pytest.mark.slow
 def test_channels_last_reaches_the_model_and_its_inputs(cfg_factory):
     c = validate(cfg_factory(*SYNTH, "model.channels_last=true"))
     model = models.build(c.model, 10, (3, 16, 16), torch.device("cpu"))
@@ -470,6 +333,7 @@ def test_the_repeated_blocks_of_timm_models_are_found(name, block, count):
     assert len(blocks) == count and {type(b).__name__ for b in blocks} == {block}
 
 
+@pytest.mark.slow
 def test_blocks_scope_compiles_in_place_and_trains_like_eager(cfg_factory, tmp_path):
     """model.compile_scope=blocks: identical blocks compile to one graph, the same losses as
     eager, the checkpoint's keys unchanged
@@ -615,6 +479,7 @@ print(json.dumps({"sidecar": pool.process.returncode, "workers": len(workers),
 """
 
 
+@pytest.mark.slow
 def test_at_exit_inductors_compile_workers_are_killed_not_waited_for(tmp_path):
     """torch's own atexit handler asks inductor's compile-worker sidecar (what inductor starts
     to compile Triton kernels on a GPU) to stop and waits while it and each worker tear down an

@@ -21,6 +21,7 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_val_every_evaluates_at_its_steps_and_every_row_has_the_time_keys(cfg_factory):
     cfg = cfg_factory(*VAL)  # an epoch of the digits is 22 steps of 64: all 3 mid-epoch
     s = run.run(cfg)
@@ -40,6 +41,7 @@ def test_val_every_evaluates_at_its_steps_and_every_row_has_the_time_keys(cfg_fa
     assert len(at_4) == 2 and abs(at_4[1] - at_4[0]) < 0.02 and at_6 > at_4[1]
 
 
+@pytest.mark.slow
 def test_a_resume_across_a_mid_epoch_evaluation_is_bit_exact_and_time_continues(
     cfg_factory, tmp_path
 ):

@@ -285,6 +285,7 @@ def test_a_kernel_that_will_not_walk_queues_nothing(monkeypatch, why):
     assert tuning_ahead._waiting == {} and pool.sent == []
 
 
+@pytest.mark.slow
 def test_the_pool_starts_when_inductor_lowers_a_graph_with_the_tuner_on(monkeypatch, tmp_path):
     """A cache miss (inductor lowers the graph) with coordinate-descent tuning on starts the
     workers; the tuner off, or the same graph from inductor's cache (a warm start), does not."""
@@ -361,6 +362,7 @@ def gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_a_worker_compiles_from_inductors_file_and_ignores_a_group_ctrl_c(tmp_path, monkeypatch):
     """The real pool: forked workers load the kernel's file and compile the config they were
     sent; a SIGINT (a terminal's Ctrl-C reaches the whole group) leaves them working. At exit
@@ -423,6 +425,7 @@ def test_without_a_forkserver_tuning_compiles_in_the_loop(monkeypatch, caplog):
     assert tuning_workers.get() is None and "no compile workers" in caplog.text
 
 
+@pytest.mark.slow
 def test_every_patch_of_private_internals_has_its_switch():
     """MIXPREC_PATCHES_OFF switches each patch off in a fresh process: inductor's tuner and
     recheck stay torch's own, and no exit handler of mixprec's is registered."""

@@ -6,7 +6,7 @@ for validation metrics, how a batch adds to it. The loop, the summary, the confi
 Adding a validation metric is one line: e.g. top-5 accuracy as an objective,
     Metric("val/acc5", "val_acc5", goal="max", batch_sum=correct(5)),
 makes evaluate() compute it, the log and W&B show it, summary.json carry `val_acc5`, and
-`objective=val_acc5` valid (docs/extending.md).
+`objective=val_acc5` valid (docs/architecture.md, "Adding a metric").
 """
 
 from __future__ import annotations

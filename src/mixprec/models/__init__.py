@@ -33,7 +33,6 @@ from mixprec.models import (
     llama,
     zoo,  # noqa: F401  (registers mixprec_digits_cnn / _mlp with timm)
 )
-from mixprec.models.ops import use_triton_max_pool
 from mixprec.models.parts import blocks_of, checkpoint_blocks, head_of, outermost, repeated_blocks
 
 __all__ = ["ModelConfig", "HFConfig", "build", "unwrap", "head_of", "blocks_of", "repeated_blocks"]
@@ -69,7 +68,6 @@ class ModelConfig:
     cuda_graphs: bool = (
         MISSING  # capture forward+backward once, replay it (static shapes, GPU only)
     )
-    triton_max_pool: bool = MISSING  # nn.MaxPool2d through mixprec's Triton kernels (ops.py)
     grad_checkpointing: bool = (
         MISSING  # recompute activations in backward: less memory, more compute
     )
@@ -172,12 +170,6 @@ def build(
     if mcfg.channels_last:
         model.to(memory_format=torch.channels_last)
         log.info("model.channels_last: weights (and every input batch) in NHWC")
-    if mcfg.triton_max_pool:
-        log.info(
-            "model.triton_max_pool: %d nn.MaxPool2d run mixprec::max_pool2d (Triton "
-            "kernels for channels-last CUDA tensors)",
-            use_triton_max_pool(model),
-        )
     return model
 
 

@@ -41,7 +41,6 @@ from mixprec.train.perf import MIN_TIMED_STEPS
 from mixprec.train.safety import DebugConfig
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"  # the repository's conf/ (pip install -e)
-_FREE_FORM = ("compile_options", "kwargs", "peak_tflops")  # dict fields with any keys
 
 
 @dataclass
