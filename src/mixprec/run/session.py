@@ -323,7 +323,7 @@ class Session:
     def _close(self, hooks: Hooks) -> None:
         self.p.data.close()  # stop loader workers now, not at interpreter exit
         unexpected = sys.exc_info()[1]  # in flight when a bug or a peer's death ends the run
-        if self.error is None and isinstance(unexpected, Exception):
+        if self.status == "failed" and self.error is None and isinstance(unexpected, Exception):
             self.error = MixprecError(f"{type(unexpected).__name__}: {unexpected}")
         self.summary = summary.of_session(self)
         try:
