@@ -60,6 +60,7 @@ def test_groups_have_the_required_options():
         "bf16",
         "fp8",
         "fp8_rowwise",
+        "fp8_auto",
     }
     assert {"dynamic", "conservative", "static", "off"} <= set(group_options("scaler"))
     assert {"sgd", "adamw"} <= set(group_options("optimizer"))

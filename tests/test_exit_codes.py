@@ -196,6 +196,9 @@ DRIVEN_ELSEWHERE = {
     "SIGKILL to torchrun's process group": (
         "test_signals.py::test_sigkill_to_torchruns_group_takes_its_ranks_down_with_a_checkpoint"
     ),
+    "a precision that does not do what its config promises": (
+        "test_dtype_plan.py::test_a_precision_that_silently_does_not_cast_stops_the_run_naming_both"
+    ),
     "a run dir or sweep dir that cannot be written": (
         "test_hostile.py::test_a_run_dir_that_cannot_be_written_is_exit_9_in_one_line"
     ),

@@ -342,6 +342,9 @@ def test_low_bit_states_and_cpu_offload_train_and_keep_their_state_where_they_sa
         }
 
     assert moments("offload") == {("Tensor", "cpu")}
+    plan = s["offload"]["dtype_plan"]  # read from the live objects after step 1
+    assert plan["mismatches"] == [] and {k.split(" on ")[1] for k in plan["master_copy"]} == {"cpu"}
+    assert max(plan["optimizer_state_elements"], key=plan["optimizer_state_elements"].get) == "cpu"
     assert ("OptimState8bit", "cuda") in moments("8bit")
     assert moments("fp32") == {("Tensor", "cuda")}
 
@@ -501,3 +504,112 @@ def test_an_in_process_sweeps_later_jobs_peak_as_a_job_alone(cfg_factory):
     first, again, amp = peak[("bf16", 0)], peak[("bf16", 1)], peak[("amp", 2)]
     assert abs(again - first) <= 0.02 * first, peak
     assert abs(amp - first) <= 0.10 * first, peak
+
+
+def test_fp8_auto_plans_on_the_gpu_caches_its_timings_and_a_resume_keeps_the_plan(
+    cfg_factory, tmp_path
+):
+    """precision=fp8_auto on the width-512 LM: each layer's choice is the fastest recipe that
+    beats bf16 by the margin on the timings it measured; a second run with the same cache times
+    nothing; a resume from the first run keeps its plan (nothing timed, the same choices)."""
+    from mixprec.precision.fp8_plan import choose
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no float8 tensor cores on this GPU")
+    cache = tmp_path / "fp8_plan.json"
+    base = [*LM_GPU, "precision=fp8_auto", "precision.fp8_candidates=[tensorwise,rowwise]"]
+    base += ["trainer.max_steps=20", "ckpt.every_steps=10"]
+    first = run.run(
+        cfg_factory(
+            *base, f"precision.fp8_plan_cache={cache}", f"run_dir={tmp_path / 'a'}", small=False
+        )
+    )
+    plan = json.loads((tmp_path / "a" / "precision_plan.json").read_text())
+    assert first["status"] == "completed" and plan
+    for name, c in plan.items():
+        assert set(c["us"]) == {"bf16", "tensorwise", "rowwise"} and min(c["us"].values()) > 0
+        assert c["choice"] == choose(c["us"], ["tensorwise", "rowwise"], 0.05), name
+    summary = first["precision_plan"]
+    assert summary["timed_gemms"] > 0 and summary["float8_layers"] == sum(
+        c["choice"] != "bf16" for c in plan.values()
+    )
+    cached = run.run(
+        cfg_factory(
+            *base,
+            "trainer.max_steps=4",
+            f"precision.fp8_plan_cache={cache}",
+            f"run_dir={tmp_path / 'b'}",
+            small=False,
+        )
+    )
+    assert cached["precision_plan"]["timed_gemms"] == 0
+    assert cached["precision_plan"]["planning_s"] < 2.0  # one forward to read the shapes
+    resumed = run.run(
+        cfg_factory(
+            *base,
+            "trainer.max_steps=30",
+            f"resume={tmp_path / 'a'}",
+            f"precision.fp8_plan_cache={tmp_path / 'empty.json'}",
+            f"run_dir={tmp_path / 'c'}",
+            small=False,
+        )
+    )
+    assert resumed["steps"] == 30
+    assert json.loads((tmp_path / "c" / "precision_plan.json").read_text()) == plan
+    assert not (tmp_path / "empty.json").exists()  # nothing was timed
+
+
+def test_fp8_numerics_are_measured_under_torchaos_casts_on_the_gpu(cfg_factory, tmp_path):
+    """debug.numerics on a compiled fp8 run: every float8 layer's input, weight and output
+    gradient, with e4m3's SQNR (about 30 dB) on inputs and weights and e5m2's (lower) on the
+    gradients of the tensorwise recipe."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no float8 tensor cores on this GPU")
+    cfg = cfg_factory(
+        *LM_GPU,
+        "precision=fp8",
+        "trainer.max_steps=20",
+        "trainer.log_every=10",
+        "debug.numerics=true",
+        f"run_dir={tmp_path / 'n'}",
+        small=False,
+    )
+    s = run.run(cfg)
+    rows = [json.loads(l) for l in (tmp_path / "n" / "numerics.jsonl").read_text().splitlines()]
+    fp8 = [r for r in rows if r["type"] == "Float8Linear"]
+    assert {r["step"] for r in rows} == {10, 20} and fp8
+    assert {r["format"] for r in fp8} == {"float8_e4m3fn tensorwise"}
+    e4m3 = [r["sqnr_db"] for r in fp8 if r["tensor"] != "grad_output"]
+    e5m2 = [r["sqnr_db"] for r in fp8 if r["tensor"] == "grad_output"]
+    assert 25 < min(e4m3) and max(e4m3) < 40, (min(e4m3), max(e4m3))
+    assert 15 < min(e5m2) and max(e5m2) < min(e4m3) + 5, (min(e5m2), max(e5m2))
+    assert all(r["saturated"] == 0.0 for r in fp8)  # dynamic scaling maps amax to the max
+    assert s["dtype_plan"]["mismatches"] == []
+    assert s["dtype_plan"]["compute"]["Float8Linear"] == {"float8": len({r["layer"] for r in fp8})}
+
+
+def test_the_memory_breakdown_adds_up_to_the_peak_under_compile(cfg_factory, tmp_path):
+    """debug.memory on the compiled width-512 LM with AdamW: the parts add up to the peak of
+    the measured step, and weights, gradients and AdamW's moments are 4, 4 and 8 bytes per
+    parameter."""
+    s = run.run(
+        cfg_factory(
+            *LM_GPU,
+            "precision=bf16",
+            "optimizer=adamw",
+            "trainer.max_steps=6",
+            "debug.memory=true",
+            f"run_dir={tmp_path / 'm'}",
+            small=False,
+        )
+    )
+    b = s["memory_breakdown"]
+    gib = 1024**3
+    from mixprec.diagnostics.memory import PARTS
+
+    assert sum(b[k] for k in PARTS) == pytest.approx(b["peak"], rel=1e-6)
+    assert min(b[k] for k in PARTS) >= 0 and b["activations"] > 0 and b["reserve"] >= 0
+    n = round(b["weights"] * gib / 4)
+    assert b["gradients"] * gib <= 4 * n and b["optimizer_state"] * gib >= 8 * n
+    assert b["optimizer_state"] * gib <= 8 * n + 4 * 1000  # AdamW's step counters at most
+    assert b["peak"] <= s["peak_mem_gib"] + 1e-6

@@ -7,11 +7,12 @@ import json
 import sys
 from pathlib import Path
 
+from mixprec.diagnostics import dtype_plan, numerics
 from mixprec.diagnostics.audit import audit, markdown
 from mixprec.diagnostics.doctor import sentence
 
 USAGE = """usage: python -m mixprec.diagnose [OVERRIDES...]  a config's dtype audit (no training)
-       python -m mixprec.diagnose RUN_DIR         what the precision doctor found in a run"""
+       python -m mixprec.diagnose RUN_DIR         a run: its doctor, numerics and dtype plan"""
 
 
 def shown_run(run_dir: Path) -> str:
@@ -40,15 +41,40 @@ def shown_run(run_dir: Path) -> str:
         "## precision doctor",
         "",
     ]
-    found = s.get("doctor") or []
+    return "\n".join(lines + _doctor(s.get("doctor") or []) + _numerics(run_dir) + _plan(s))
+
+
+def _numerics(run_dir: Path) -> list[str]:
+    """The worst casts of the run's last numerics probe (numerics.jsonl)."""
+    rows = numerics.read(run_dir)
+    lines = ["", "## numerics (debug.numerics)", ""]
+    if not rows:
+        return lines + ["Not measured: run (or resume) with debug.numerics=true."]
+    last = max(r["step"] for r in rows)
+    at = [r for r in rows if r["step"] == last]
+    return lines + [
+        f"The worst of {len(at)} casts at step {last} (of {len({r['step'] for r in rows})} "
+        "probes), most underflow first:",
+        "",
+        numerics.table(numerics.worst(at, 10)),
+    ]
+
+
+def _plan(s: dict) -> list[str]:
+    plan = s.get("dtype_plan")
+    lines = ["", "## dtype plan (read from the live objects after step 1)", ""]
+    if not isinstance(plan, dict):
+        return lines + ["Not read: the run had debug.dtype_plan=off or stopped before step 1."]
+    return lines + [dtype_plan.markdown(plan)]
+
+
+def _doctor(found: list[dict]) -> list[str]:
     if not found:
-        return "\n".join(
-            lines
-            + [
-                "No step was examined: the run had debug.locate=false and did not stop "
-                "for divergence. Run it again (or resume it) with debug.locate=true."
-            ]
-        )
+        return [
+            "No step was examined: the run had debug.locate=false and did not stop "
+            "for divergence. Run it again (or resume it) with debug.locate=true."
+        ]
+    lines = []
     lines += [
         "| step | trigger | where | module | type | dtype | max in | max out | loss scale |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -66,7 +92,7 @@ def shown_run(run_dir: Path) -> str:
             )
             + " |"
         )
-    return "\n".join(lines + [""] + [sentence(f) for f in found])
+    return lines + [""] + [sentence(f) for f in found]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,6 +39,10 @@ class Plugin(Precision):
             model.get_submodule(name).to(torch.bfloat16)
         return model
 
+    def promised(self) -> dict:
+        """The dtype plan's check: these weights are bf16 by design."""
+        return {"weights": ["bfloat16"]}
+
     def owned(self) -> dict[str, str]:
         return {name: "bfloat16-weights" for name in self.converted}
 

@@ -64,6 +64,13 @@ class Unwritable(MixprecError):
     exit_code, label = 9, "cannot write"
 
 
+class DtypeMismatch(MixprecError):
+    """The tensors of a run are not in the dtypes its config promises (the dtype plan, read
+    from the live objects after the first step: diagnostics/dtype_plan.py)."""
+
+    exit_code, label = 10, "dtype plan mismatch"
+
+
 class Preempted(MixprecError):
     """A stop signal arrived; the run checkpointed (if it could) and exits 128 + the signal."""
 

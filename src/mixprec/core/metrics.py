@@ -76,8 +76,17 @@ def evaluated(task: str = "classify") -> list[Metric]:
     return [m for m in METRICS if m.batch_sum is not None and m.task in (None, task)]
 
 
+# families of keys named per layer (debug.numerics: numerics/<layer>/<tensor>/underflow, ...)
+FAMILIES = ("numerics/",)
+
+
 def keys() -> set[str]:
     return {m.key for m in METRICS}
+
+
+def declared(key: str) -> bool:
+    """A key of the registry, or of one of its per-layer families."""
+    return key in keys() or key.startswith(FAMILIES)
 
 
 def summary_name(key: str) -> str:

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import logging
 import math
-from contextlib import ExitStack
 from typing import Callable
 
 import torch
 from torch import nn
 
+from mixprec.diagnostics import numerics
+from mixprec.diagnostics.replay import tensors as _tensors
+from mixprec.diagnostics.replay import untouched
 from mixprec.precision.base import StaticGradScaler
 
 log = logging.getLogger(__name__)
@@ -35,17 +37,7 @@ log = logging.getLogger(__name__)
 FP16_MAX = float(torch.finfo(torch.float16).max)
 SKIPPED = "GradScaler skipped the step"
 FIELDS = ("step", "trigger", "where", "module", "type", "dtype", "max_abs_in", "max_abs_out")
-FIELDS += ("loss", "loss_scale", "nonfinite_params")  # every finding has every key
-
-
-def _tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
-    return []
+FIELDS += ("loss", "loss_scale", "nonfinite_params", "numerics")  # every finding has every key
 
 
 def _max_abs(tensors: list[torch.Tensor]) -> float:
@@ -161,16 +153,8 @@ def locate(learner, micro_batches: list, scale: float) -> dict:
         return {"where": "weights", "loss_scale": scale, "nonfinite_params": broken[:8]}
     prec = learner.precision
     limit = FP16_MAX if prec.dtype is torch.float16 else math.inf
-    params = list(model.parameters())
-    grads = [p.grad for p in params]
-    buffers = {n: b.clone() for n, b in model.named_buffers()}
-    devices = [torch.cuda.current_device()] if params and params[0].is_cuda else []
     found: dict = {"where": "none"}
-    with ExitStack() as stack:
-        stack.enter_context(torch.random.fork_rng(devices=devices))
-        stack.enter_context(torch.compiler.set_stance("force_eager"))
-        for p in params:
-            p.grad = None
+    with untouched(model):
         for x, y in micro_batches:
             watch = _Watch(model, limit)
             try:
@@ -184,11 +168,6 @@ def locate(learner, micro_batches: list, scale: float) -> dict:
             if found["where"] != "none":
                 found["loss"] = float(loss.detach())
                 break
-        for p, g in zip(params, grads):
-            p.grad = g
-        with torch.no_grad():
-            for n, b in model.named_buffers():
-                b.copy_(buffers[n])
     return {**found, "loss_scale": scale, "nonfinite_params": []}
 
 
@@ -283,6 +262,10 @@ class Doctor:
         try:
             f = dict.fromkeys(FIELDS) | {"step": step, "trigger": trigger}
             f.update(locate(self.learner, self.batch, scale))
+            if f["where"] != "weights":  # the casts of that step, worst layers first
+                f["numerics"] = numerics.worst(
+                    numerics.probe(self.learner, self.batch[0], scale), 3
+                )
         except Exception as e:  # the doctor must not turn a diagnosis into a second failure
             log.warning("doctor: could not re-run step %d: %s", step, e)
             return {}

@@ -9,7 +9,11 @@ module and one YAML.
 
 What a precision decides, and where the run asks it (the plugin interface):
 - check_device(device): refuse a device it cannot run on, before any work (ConfigError);
+- prepare(ctx): what the builder knows before the conversion (Context: sharded or not, a
+  micro-batch of the run to measure with, compiled or not, a plan the run resumes with);
 - convert(model): change the model before training (before the parallel wrap and compile);
+- plan(): what convert() decided and a resume must keep (precision_plan.json; fp8_auto's);
+- promised(): the dtypes it adds to what the dtype plan checks after step 1 (bf16 weights);
 - autocast() and scaler: the forward's dtype and the loss scaling, used by loop.train_step;
 - owned(): the modules it converted, with the dtype they compute in (MFU, the dtype audit);
 - peak_tflops(peaks, owned_share): the dense peak its FLOPs can reach (MFU);
@@ -28,7 +32,7 @@ import logging
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 from omegaconf import MISSING
@@ -108,6 +112,16 @@ class StaticGradScaler(GradScaler):
 
 
 @dataclass
+class Context:
+    """What the builder tells a precision before convert() (Precision.prepare)."""
+
+    sharded: bool = False  # the model will be sharded (parallel=fsdp), a world of one too
+    example: Optional[Callable[[], torch.Tensor]] = None  # a micro-batch input (None: no run)
+    compiled: bool = False  # model.compile: the run's code is compiled
+    saved_plan: Optional[dict] = None  # plan() of the run this one resumes (precision_plan.json)
+
+
+@dataclass
 class Precision:
     """The plugin interface, and the plain precision: autocast, TF32 and a GradScaler."""
 
@@ -118,6 +132,7 @@ class Precision:
     cache: bool = True  # autocast's weight-cast cache (off under CUDA graphs, as torch requires)
     kept: list = field(default_factory=list)  # modules kept in fp32 (fp32_layers.keep sets it)
     sharded: bool = False  # the model will be sharded (parallel=fsdp): convert() may prepare it
+    ctx: Context = field(default_factory=Context)  # what prepare() was told
 
     @property
     def name(self) -> str:
@@ -143,8 +158,25 @@ class Precision:
                 "no bfloat16 support; use one of fp32, tf32, amp, amp_accum"
             )
 
+    def prepare(self, ctx: Context) -> None:
+        """Before convert(): what the builder knows of the run."""
+        self.ctx, self.sharded = ctx, ctx.sharded
+
     def convert(self, model: nn.Module) -> nn.Module:
         return model
+
+    def plan(self) -> dict | None:
+        """What convert() decided that a resume must keep (None: nothing)."""
+        return None
+
+    def promised(self) -> dict:
+        """What this precision adds to the dtype plan's promise (diagnostics/dtype_plan.py),
+        e.g. {"weights": ["bfloat16"]} for one that keeps some weights in bf16."""
+        return {}
+
+    def plan_summary(self) -> dict | None:
+        """The plan in a few numbers, for summary.json (None: no plan)."""
+        return None
 
     def owned(self) -> dict[str, str]:
         """{module name: the dtype it computes in} for the modules convert() changed."""

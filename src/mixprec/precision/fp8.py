@@ -8,8 +8,11 @@ place in mixprec that knows about float8 (conf/precision/fp8.yaml names it as it
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
+import time
 from dataclasses import dataclass, field
+from typing import List, Optional
 
 import torch
 from omegaconf import MISSING
@@ -18,6 +21,7 @@ from torch import nn
 from mixprec.core.errors import ConfigError, check, one_of
 from mixprec.models.flops import blended_peak
 from mixprec.models.parts import head_of
+from mixprec.precision import fp8_plan
 from mixprec.precision.base import Precision, PrecisionConfig
 
 log = logging.getLogger(__name__)
@@ -34,10 +38,18 @@ class Config(PrecisionConfig):
     fp8_all_gather: bool = (
         MISSING  # parallel=fsdp: gather float8 layers' weights in float8 (tensorwise)
     )
+    fp8_layers: str = "all"  # all: every eligible layer in fp8_recipe; auto: a measured plan
+    fp8_candidates: List[str] = field(default_factory=lambda: ["tensorwise"])
+    fp8_margin: float = 0.05  # auto: a layer goes float8 only if that beats bf16 by this much
+    fp8_plan_cache: Optional[str] = "~/.cache/mixprec/fp8_plan.json"  # timings; null: none
 
     def __post_init__(self) -> None:
         super().__post_init__()
         one_of("precision.fp8_recipe", self.fp8_recipe, RECIPES)
+        one_of("precision.fp8_layers", self.fp8_layers, ("all", "auto"))
+        for recipe in self.fp8_candidates:
+            one_of("precision.fp8_candidates", recipe, RECIPES)
+        check(0 <= self.fp8_margin < 1, "precision.fp8_margin", self.fp8_margin, "in [0, 1)")
         check(
             self.autocast == "bfloat16",
             "precision.autocast",
@@ -61,6 +73,9 @@ class Plugin(Precision):
     """bf16 autocast, with the eligible Linear layers converted to float8 training."""
 
     converted: list[str] = field(default_factory=list)  # names of the Float8Linear layers
+    choices: dict = field(default_factory=dict)  # fp8_layers=auto: {layer: fp8_plan.Choice}
+    plan_s: float = 0.0  # seconds the plan took (shapes, timings; 0: resumed or none)
+    timed: int = 0  # GEMM timings it measured (0: every one came from the cache)
 
     def check_device(self, device: torch.device) -> None:
         """A GPU with float8 tensor cores, and torchao installed; else a config error."""
@@ -85,41 +100,103 @@ class Plugin(Precision):
         super().check_device(device)
 
     def convert(self, model: nn.Module) -> nn.Module:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8 import convert_to_float8_training
 
         head = head_of(model)
         linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-        self.converted = []
-
-        def keep(module: nn.Module, name: str) -> bool:
-            ok = eligible(module, name, head, self.cfg.fp8_head)
-            if ok:
-                self.converted.append(name)
-            return ok
-
-        config = Float8LinearConfig.from_recipe_name(self.cfg.fp8_recipe)
-        if self.sharded and self.cfg.fp8_all_gather:  # FSDP2 gathers the weights cast to float8
-            if self.cfg.fp8_recipe == "tensorwise":
-                config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-            else:
-                log.info(
-                    "precision.fp8_all_gather: torchao gathers float8 weights with tensorwise "
-                    "scaling only; with %s scaling they are gathered in bf16",
-                    self.cfg.fp8_recipe,
-                )
-        model = convert_to_float8_training(model, module_filter_fn=keep, config=config)
+        names = [n for n, m in model.named_modules() if eligible(m, n, head, self.cfg.fp8_head)]
+        recipes = self._layer_recipes(model, names)
+        for recipe in sorted(set(recipes.values()) - {fp8_plan.BF16}):
+            model = convert_to_float8_training(
+                model,
+                module_filter_fn=lambda m, fqn, r=recipe: recipes.get(fqn) == r,
+                config=self._torchao_config(recipe),
+            )
+        self.converted = [n for n in names if recipes[n] != fp8_plan.BF16]
         skipped = sorted(set(linears) - set(self.converted))
         log.info(
-            "precision=%s (%s scaling%s): %d of %d Linear layers compute in float8; kept in "
-            "bf16: %s",
+            "precision=%s (%s%s): %d of %d Linear layers compute in float8; kept in bf16: %s",
             self.name,
-            self.cfg.fp8_recipe,
-            ", weights gathered in float8" if config.enable_fsdp_float8_all_gather else "",
+            "a measured plan"
+            if self.cfg.fp8_layers == "auto"
+            else f"{self.cfg.fp8_recipe} scaling",
+            ", weights gathered in float8" if self._gathers_fp8(recipes) else "",
             len(self.converted),
             len(linears),
             ", ".join(skipped[:6]) + (" ..." if len(skipped) > 6 else "") or "none",
         )
         return model
+
+    def _layer_recipes(self, model: nn.Module, names: list[str]) -> dict[str, str]:
+        """{eligible layer: recipe or bf16}: fp8_recipe everywhere, or (fp8_layers=auto) the
+        plan: the resumed run's, or measured on this GPU (fp8_plan.py)."""
+        cfg, ctx = self.cfg, self.ctx
+        if cfg.fp8_layers == "all":
+            return dict.fromkeys(names, cfg.fp8_recipe)
+        if ctx.saved_plan is not None:
+            self.choices = {n: fp8_plan.Choice.from_dict(d) for n, d in ctx.saved_plan.items()}
+            log.info("precision.fp8_layers=auto: the plan of the run this one resumes")
+        elif ctx.example is None:  # batch=auto's probes, the dtype audit: nothing to time
+            log.info(
+                "precision.fp8_layers=auto: no micro-batch to measure with here; every "
+                "eligible layer in %s (the upper bound of float8's share)",
+                cfg.fp8_recipe,
+            )
+            return dict.fromkeys(names, cfg.fp8_recipe)
+        else:
+            self.choices = self._measure(model, names)
+        return {n: (self.choices[n].choice if n in self.choices else fp8_plan.BF16) for n in names}
+
+    def _measure(self, model: nn.Module, names: list[str]) -> dict:
+        cfg, ctx = self.cfg, self.ctx
+        device = next(model.parameters()).device
+        gemms = fp8_plan.layer_gemms(model, ctx.example(), self.autocast, names)
+        started = time.perf_counter()
+        cache = fp8_plan.TimingCache(cfg.fp8_plan_cache)
+        known = len(cache.data)
+        choices = fp8_plan.measure(
+            gemms,
+            list(cfg.fp8_candidates),
+            cfg.fp8_margin,
+            timer=lambda g, r: fp8_plan.time_gemm(g, r, ctx.compiled, device),
+            key=lambda g, r: fp8_plan.cache_key(g, r, ctx.compiled, device),
+            cache=cache,
+        )
+        self.plan_s = time.perf_counter() - started
+        self.timed = len(cache.data) - known
+        if self.timed:  # the timing layers, their compiled code and their blocks: gone
+            torch.compiler.reset()  # (the run compiles its model after this conversion)
+            gc.collect()
+            torch.cuda.empty_cache()
+        log.info(
+            "precision.fp8_layers=auto: the plan, measured in %.1fs on this GPU (per "
+            "forward+backward of one micro-batch):\n%s",
+            self.plan_s,
+            fp8_plan.table(choices, list(cfg.fp8_candidates)),
+        )
+        return choices
+
+    def _torchao_config(self, recipe: str):
+        from torchao.float8 import Float8LinearConfig
+
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        if self.sharded and self.cfg.fp8_all_gather:  # FSDP2 gathers the weights cast to float8
+            if recipe == "tensorwise":
+                config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+            else:
+                log.info(
+                    "precision.fp8_all_gather: torchao gathers float8 weights with tensorwise "
+                    "scaling only; the %s layers are gathered in bf16",
+                    recipe,
+                )
+        return config
+
+    def _gathers_fp8(self, recipes: dict) -> bool:
+        return self.sharded and self.cfg.fp8_all_gather and "tensorwise" in recipes.values()
+
+    def plan(self) -> dict | None:
+        """fp8_layers=auto: each eligible layer's timings and choice (a resume keeps it)."""
+        return {n: c.as_dict() for n, c in self.choices.items()} if self.choices else None
 
     def owned(self) -> dict[str, str]:
         return {name: "float8" for name in self.converted}
@@ -143,6 +220,21 @@ class Plugin(Precision):
             and self.cfg.fp8_all_gather
             and self.cfg.fp8_recipe == "tensorwise",
             "fp8_layers": len(self.converted),
+            "fp8_plan": self.cfg.fp8_layers,  # all, or auto (a measured per-layer plan)
+        }
+
+    def plan_summary(self) -> dict | None:
+        if not self.choices:
+            return None
+        fp8 = {n: c for n, c in self.choices.items() if c.choice != fp8_plan.BF16}
+        return {
+            "layers": len(self.choices),
+            "float8_layers": len(fp8),
+            "recipes": sorted({c.choice for c in fp8.values()}),
+            "expected_saving_ms": sum(c.saving_us for c in self.choices.values()) / 1000,
+            "bf16_ms": sum(c.us[fp8_plan.BF16] * c.calls for c in self.choices.values()) / 1000,
+            "planning_s": round(self.plan_s, 2),
+            "timed_gemms": self.timed,  # 0: every timing came from the cache
         }
 
     def advice(self, compiled: bool) -> list[str]:
@@ -167,4 +259,9 @@ class Plugin(Precision):
         )
 
     def describe(self) -> str:
-        return f"{super().describe()}, float8 Linear layers ({self.cfg.fp8_recipe} scaling)"
+        how = (
+            "a per-layer plan measured on this GPU"
+            if self.cfg.fp8_layers == "auto"
+            else f"{self.cfg.fp8_recipe} scaling"
+        )
+        return f"{super().describe()}, float8 Linear layers ({how})"

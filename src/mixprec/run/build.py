@@ -4,6 +4,7 @@ reader of the config: everything it builds gets plain objects and numbers."""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from dataclasses import dataclass
@@ -14,9 +15,11 @@ import torch
 
 from mixprec import data as datasets
 from mixprec import models
+from mixprec.checkpoint import store as checkpoint
 from mixprec.compile import compiling
 from mixprec.core import hardware, process, tasks
 from mixprec.core.errors import ConfigError
+from mixprec.diagnostics import dtype_plan
 from mixprec.models import flops
 from mixprec.optim import optimizers as optim
 from mixprec.optim import states as optim_states
@@ -173,14 +176,25 @@ def assemble(
     dd: distributed.Dist,
     lr: float,
     inspect=lambda model: None,
+    probing: bool = False,
 ) -> tuple:
     """(model, optimizer) in the one build order: the model, the precision's conversion, the
     parallel wrap, compile (or CUDA graphs), then the optimizer. Sharding (FSDP2) replaces the
     parameters in the wrap, so the optimizer must come after it; torch.compile wraps the
     parallel module, as torch recommends for DDP. `inspect` sees the converted, unwrapped model
-    (the FLOP count). Training and every batch=auto probe are built here."""
+    (the FLOP count). Training and every batch=auto probe are built here (`probing`: a probe,
+    which gives the precision no micro-batch to measure with)."""
     model = models.build(c.model, spec.num_classes, spec.input_shape, device, spec.task)
-    prec.sharded = dd.grouped and c.parallel.strategy == "fsdp"  # a world of one too
+    example_batch = lambda: example(  # noqa: E731
+        c, spec.input_shape, device, spec.batch, spec.num_classes, spec.task
+    )
+    ctx = precision.Context(
+        sharded=dd.grouped and c.parallel.strategy == "fsdp",  # a world of one too
+        example=None if probing else example_batch,
+        compiled=c.model.compile,
+        saved_plan=None if probing else saved_plan(c),
+    )
+    prec.prepare(ctx)
     model = prec.convert(model)
     optim_states.to_weights(c.optimizer, model)  # optimizer.state=bf16: bf16 weights
     prec.kept = fp32_layers.keep(model, c.precision.keep_fp32, device.type, set(prec.owned()))
@@ -230,7 +244,7 @@ def probes(c: TrainConfig, device: torch.device) -> tuple:
     def new_learner(b: int) -> loop.Learner:
         prec = new_precision(c, device)
         spec = Spec(num_classes, shape, b, task)
-        model, opt = assemble(c, prec, spec, device, alone, 1e-6)
+        model, opt = assemble(c, prec, spec, device, alone, 1e-6, probing=True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
         return loop.Learner(model, opt, sched, prec, task)
 
@@ -241,6 +255,44 @@ def probes(c: TrainConfig, device: torch.device) -> tuple:
     return new_learner, inputs
 
 
+PLAN_FILE = "precision_plan.json"  # a run dir's precision plan (Precision.plan(): fp8_auto's)
+
+
+def saved_plan(c: TrainConfig) -> dict | None:
+    """The precision plan of the run this one resumes: precision_plan.json in the run dir of
+    the checkpoint it continues (None: a new run, or that run kept none)."""
+    if not c.resume:
+        return None
+    try:
+        found = checkpoint.find(c.resume, Path(c.run_dir))
+    except ConfigError:
+        return None  # the resume itself says what is wrong, later
+    if found is None:
+        return None
+    path = found.parent.parent / PLAN_FILE  # <run dir>/checkpoints/last.pt
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        log.warning("%s cannot be read; the precision plans again", path)
+        return None
+
+
+def dtype_promise(c: TrainConfig, p: Parts) -> dtype_plan.Promise:
+    """What this config promises about the run's tensors (checked after its first step)."""
+    prec, fsdp = p.learner.precision, c.parallel.strategy == "fsdp"
+    weights = ["bfloat16" if c.optimizer.state == "bf16" else "float32"]
+    weights += prec.promised().get("weights", [])  # a plugin that keeps weights in bf16
+    gathered = sharding.param_dtype(prec) if fsdp else None
+    return dtype_plan.Promise(
+        weights=weights,
+        compute=c.precision.autocast or "float32",
+        state=c.optimizer.state,
+        state_device="cpu" if c.optimizer.offload == "cpu" else p.device.type,
+        forward_weights=[str(gathered).replace("torch.", "")] if gathered else weights,
+        reduce=c.parallel.reduce_dtype if fsdp else None,
+    )
+
+
 def audit_inputs(c: TrainConfig) -> tuple[torch.nn.Module, torch.Tensor, precision.Precision]:
     """(model, example batch, precision) for `python -m mixprec.diagnose` (no data, no training)."""
     hw = resolve_hardware(c)
@@ -249,9 +301,27 @@ def audit_inputs(c: TrainConfig) -> tuple[torch.nn.Module, torch.Tensor, precisi
     prec = new_precision(c, device)
     num_classes, shape = datasets.spec(c.data)
     task = datasets.task(c.data)
+    prec.prepare(precision.Context(compiled=c.model.compile))
     model = prec.convert(models.build(c.model, num_classes, shape, device, task))
     prec.kept = fp32_layers.keep(model, c.precision.keep_fp32, device.type, set(prec.owned()))
     return model, example(c, shape, device, 2, num_classes, task), prec
+
+
+def planned_precision(c: TrainConfig) -> precision.Precision:
+    """`python -m mixprec.fp8_plan`: the precision after it planned the model of `c` at its
+    micro-batch (`batch`), on the run's device, as training would (no data, no training)."""
+    if c.batch == "auto":
+        raise ConfigError("batch=auto: the plan is per micro-batch shape; give batch=N")
+    hw = resolve_hardware(c)
+    device = hardware.setup(hw)
+    process.apply(process_settings(c, hw), device)
+    prec = new_precision(c, device)
+    num_classes, shape = datasets.spec(c.data)
+    task = datasets.task(c.data)
+    x = lambda: example(c, shape, device, c.batch, num_classes, task)  # noqa: E731
+    prec.prepare(precision.Context(example=x, compiled=c.model.compile))
+    prec.convert(models.build(c.model, num_classes, shape, device, task))
+    return prec
 
 
 def example(

@@ -19,7 +19,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from mixprec import sinks
 from mixprec.checkpoint import store as checkpoint
-from mixprec.core import hardware, launch
+from mixprec.core import files, hardware, launch
 from mixprec.core.errors import (
     CheckpointError,
     DiskFull,
@@ -29,7 +29,9 @@ from mixprec.core.errors import (
     Preempted,
 )
 from mixprec.diagnostics import audit as diagnose
+from mixprec.diagnostics import dtype_plan, memory
 from mixprec.diagnostics.doctor import Doctor
+from mixprec.diagnostics.numerics import Numerics
 from mixprec.optim import optimizers as optim
 from mixprec.parallel import distributed
 from mixprec.report import plots as report_plots
@@ -133,6 +135,16 @@ class Session:
         self.phases = hardware.PhaseMemory(
             parts.learner.model, parts.learner.optimizer, parts.device
         )
+        c, prec = parts.config, parts.learner.precision
+        self.memory = (  # debug.memory: the peak's parts, on step 3
+            memory.Breakdown(
+                parts.learner,
+                parts.device,
+                cached_casts=not c.model.compile and prec.dtype is not None and prec.cache,
+            )
+            if c.debug.memory
+            else memory.Breakdown()
+        )
 
     def train(self) -> dict:
         p = self.p
@@ -147,6 +159,7 @@ class Session:
         if blob is not None and st.step >= p.plan.total_steps and evaluated:
             return self._already_done()
         self.accept()  # from here on the run dir is this run's: .hydra/, train.log
+        self._write_plan()
         self.tracker = Tracker(self._sinks(blob) if p.dist.main else [], self.clock)
         self.hooks = hooks = self._hooks()
         try:
@@ -291,7 +304,18 @@ class Session:
             progress=sys.stderr.isatty() and p.dist.main,
             grad_histograms=c.diagnose,
             doctor=Doctor(p.learner, c.debug.locate, rerun=not c.model.cuda_graphs),
+            numerics=Numerics(p.learner, p.run_dir, rerun=not c.model.cuda_graphs)
+            if c.debug.numerics and p.dist.main
+            else Numerics(),
+            dtype_plan=dtype_plan.Watch(p.learner, build.dtype_promise(c, p), c.debug.dtype_plan),
         )
+
+    def _write_plan(self) -> None:
+        """The precision's plan (fp8_auto's per-layer choices) beside the checkpoints: a
+        resume from this run dir keeps it (build.saved_plan)."""
+        plan = self.p.learner.precision.plan()
+        if plan is not None and self.p.dist.main:
+            files.write_json(self.p.run_dir / build.PLAN_FILE, plan)
 
     def _save(self, state: loop.TrainState) -> None:
         state.elapsed_s = self.wall_s  # a resumed run's wall_s counts the earlier parts too
@@ -335,6 +359,14 @@ class Session:
             self.status, self.error = "failed", self.error or e
         if hooks.doctor.findings:
             self.tracker.table("doctor/findings", hooks.doctor.findings)
+        if self.memory.result is not None:
+            parts = self.memory.result
+            self.tracker.table(
+                "memory_breakdown", [{"part": k, "gib": parts[k]} for k in memory.PARTS]
+            )
+        plan = hooks.dtype_plan.result
+        if plan is not None:
+            self.tracker.table("dtype_plan", dtype_plan.rows(plan))
         self.tracker.close(self.status)
         if self.p.config.diagnose and self.p.dist.main:
             report_plots.loss_scale_plot(self.p.run_dir)

@@ -56,6 +56,10 @@ def of_session(s) -> dict:
         memory_cap_gib=p.hw.memory_gib,
         checkpoint=_path(checkpoint.latest(s.ckpt.parent)),  # last.pt, or last.dcp
         doctor=s.hooks.doctor.findings,  # where steps overflowed (doctor.py)
+        precision_plan=p.learner.precision.plan_summary(),  # fp8_auto's per-layer plan
+        dtype_plan=s.hooks.dtype_plan.result,  # the live dtypes after step 1 (dtype_plan.py)
+        memory_breakdown=s.memory.result,  # debug.memory: the peak's parts (GiB)
+        numerics=s.hooks.numerics.latest or None,  # the worst casts at the last probe
         first_step_s=meter.first_step_s,
         compile_s=perf.compile_s(),
         compile_first_step_s=meter.compile_first_s,

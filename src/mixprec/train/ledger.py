@@ -14,6 +14,8 @@ from tqdm.auto import tqdm
 
 from mixprec.core.errors import Diverged, Preempted
 from mixprec.diagnostics.doctor import Doctor
+from mixprec.diagnostics.dtype_plan import Watch
+from mixprec.diagnostics.numerics import Numerics
 from mixprec.parallel.distributed import Dist
 from mixprec.parallel.sharding import local
 from mixprec.sinks.tracking import Tracker
@@ -39,6 +41,8 @@ class Hooks:
     progress: bool = False  # a progress bar on the terminal
     grad_histograms: bool = False  # histograms of the true gradients on logged steps (diagnose)
     doctor: Doctor = field(default_factory=Doctor)  # names the layer that overflowed
+    numerics: Numerics = field(default_factory=Numerics)  # per-layer casts (debug.numerics)
+    dtype_plan: Watch = field(default_factory=Watch)  # the live dtypes after step 1
 
 
 class StepLedger:
@@ -72,6 +76,7 @@ class StepLedger:
         )
         self.started = time.perf_counter()
         self.evaluate: Callable = lambda stop: {}  # loop.train sets it: the val metrics
+        self.latest: list | None = None  # the micro-batches of the latest step
         if learner.bn_guard.enabled:
             log.info(
                 "scaler.guard_bn_stats: %d BatchNorm running-stat tensors are put back after "
@@ -94,6 +99,7 @@ class StepLedger:
             if len(micro_batches) < self.plan.accum:
                 return
             self.hooks.doctor.remember(micro_batches)
+            self.latest = micro_batches
             yield micro_batches
 
     def wants_grad_norm(self) -> bool:
@@ -102,6 +108,9 @@ class StepLedger:
 
     def record(self, out) -> None:
         self.pending = out
+        if self.hooks.dtype_plan.due():  # once, after the first step that ran
+            with self.hooks.meter.paused():
+                self.hooks.dtype_plan.after_first_step(self.latest)
         if self.started is not None:  # one sync: how long compile / autotuning / capture took
             float(out.loss)
             gpu = self.hooks.meter.device.type == "cuda"
@@ -268,6 +277,9 @@ class StepLedger:
             )
         self.bar.set_postfix(loss=f"{loss:.4f}", sps=f"{sps:.0f}")
         log.info(self._line(row))
+        if hooks.numerics.enabled:  # debug.numerics: this step's first micro-batch, re-run
+            with hooks.meter.paused():
+                hooks.numerics.on_logged(state.step, self.latest, hooks.tracker)
         self.window_loss = torch.zeros((), device=hooks.meter.device)
         self.window_steps = 0
 

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import torch
 from omegaconf import MISSING
 
-from mixprec.core.errors import Diverged, check
+from mixprec.core.errors import Diverged, check, one_of
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,12 @@ class DebugConfig:
     max_bad_steps: int = MISSING  # stop after this many consecutive non-finite losses
     min_loss_scale: float = MISSING  # stop when the fp16 loss scale collapses below this
     locate: bool = False  # the doctor names the layer of the first overflowing steps (doctor.py)
+    numerics: bool = False  # per-layer cast numerics on logged steps (diagnostics/numerics.py)
+    memory: bool = False  # the peak's parts on step 3 (diagnostics/memory.py)
+    dtype_plan: str = "check"  # the dtype plan after step 1: check (a mismatch stops), log, off
 
     def __post_init__(self) -> None:
+        one_of("debug.dtype_plan", self.dtype_plan, ("check", "log", "off"))
         check(self.max_bad_steps >= 1, "debug.max_bad_steps", self.max_bad_steps, ">= 1")
         check(self.min_loss_scale > 0, "debug.min_loss_scale", self.min_loss_scale, "> 0")
 

@@ -1,0 +1,251 @@
+"""precision=fp8_auto (precision.fp8_layers=auto): a per-layer float8 plan measured on this GPU.
+
+Before training, each distinct Linear GEMM the model will run (M = the rows a micro-batch feeds
+it, K = in features, N = out features, bias or not) is timed on the run's GPU for bf16 and for
+each candidate float8 recipe: one Linear's forward and both backward GEMMs (grad input, grad
+weight) with the casts and scaling the recipe adds (torchao's own Float8Linear, compiled when
+the run compiles), its GPU time replayed from a CUDA graph. Each layer gets the fastest recipe
+that beats bf16 by `margin` (5 %: below that, timing noise and the casts' fusion in the whole
+model decide), bf16 otherwise. The
+timings are cached per (GPU, torch, torchao, shape, recipe, compiled) in one JSON file, so a
+second start with the same shapes measures nothing.
+
+Known defect (measured on an H200, 2026-12-02): each timing leaves 65-130 MiB allocated that
+neither torch.compiler.reset(), the graph's reset nor gc frees (benchmarks/fp8_plan_leak.py
+shows it), so a cold-cache fp8_auto run peaks 0.8-1.1 GiB above bf16 with the same layers; a
+run whose timings are cached (every later start) measures nothing and pays nothing.
+
+What it does not see: whole-model fusion (a cast fused into the norm before it), FSDP2's float8
+all-gather, and the GPU's clocks under a whole model's load; the plan is checked end to end by
+benchmarks/fp8_plan.py (train.py, fp8_auto against bf16 and uniform fp8, side by side).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+BF16 = "bf16"
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One Linear's GEMM: M rows (tokens or samples of a micro-batch), K in, N out."""
+
+    m: int
+    k: int
+    n: int
+    bias: bool
+
+    def key(self) -> str:
+        return f"{self.m}x{self.k}x{self.n}{'+bias' if self.bias else ''}"
+
+
+def layer_gemms(model: nn.Module, x: torch.Tensor, autocast, names: list[str]) -> dict:
+    """{layer name: (Gemm, calls per forward)} from one no-grad eval forward of `x` with hooks
+    on the named Linear layers (the model's mode is put back)."""
+    found: dict[str, list] = {}
+
+    def hook_for(name: str, mod: nn.Linear):
+        def hook(_mod, args, _out):
+            rows = args[0].numel() // mod.in_features
+            gemm = Gemm(rows, mod.in_features, mod.out_features, mod.bias is not None)
+            found.setdefault(name, [gemm, 0])[1] += 1
+
+        return hook
+
+    handles = [
+        model.get_submodule(n).register_forward_hook(hook_for(n, model.get_submodule(n)))
+        for n in names
+    ]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), autocast():
+            model(x)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    return {n: tuple(v) for n, v in found.items()}
+
+
+def time_gemm(g: Gemm, recipe: str, compiled: bool, device: torch.device, reps: int = 20) -> float:
+    """Microseconds of GPU time for one forward + backward of a Linear of shape `g` under bf16
+    autocast: nn.Linear (recipe 'bf16': cuBLAS's GEMMs, eager) or torchao's Float8Linear with
+    that recipe (compiled with dynamic shapes when the run compiles: one graph serves every
+    shape, so each new shape costs a cache hit, not a compile). The step is captured in a CUDA
+    graph and replayed, so the host's launch overhead (amortised in a whole model's compiled
+    step) is not counted; the median of three runs of `reps` replays."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    layer = nn.Sequential(nn.Linear(g.k, g.n, bias=g.bias, device=device))
+    run = layer
+    if recipe != BF16:
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        layer = convert_to_float8_training(layer, config=config)
+        run = torch.compile(layer, dynamic=True) if compiled else layer
+    x = torch.randn(g.m, g.k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(g.m, g.n, device=device, dtype=torch.bfloat16)
+
+    def step():  # (autocast's weight-cast cache off, as CUDA graphs require: on, it leaks)
+        with torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False):
+            y = run(x)
+        y.backward(dy)  # into the .grad the warm-up made: in place, as a graph replays it
+
+    replay, graph = _captured(step)
+    runs = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            replay()
+        end.record()
+        end.synchronize()
+        runs.append(1000 * start.elapsed_time(end) / reps)
+    if graph is not None:  # its private pool back (it did not stop the known leak: the
+        graph.reset()  # module docstring)
+    return sorted(runs)[1]
+
+
+def _captured(step: Callable[[], None]) -> tuple[Callable[[], None], object]:
+    """`step` warmed up on a side stream (compile, autotuning, the allocator's first blocks),
+    then captured in a CUDA graph: (its replay, the graph), or (`step`, None) where capture
+    fails."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except RuntimeError as e:
+        log.warning("fp8 plan: timed without a CUDA graph (%s)", str(e).splitlines()[0][:100])
+        return step, None
+    return graph.replay, graph
+
+
+@dataclass
+class Choice:
+    """One layer's entry in the plan."""
+
+    gemm: Gemm
+    calls: int  # calls per forward (a layer used twice counts twice)
+    us: dict  # {recipe: microseconds per forward+backward}, bf16 included
+    choice: str  # bf16 or the float8 recipe it gets
+    saving_us: float  # (bf16 - choice) x calls: the expected saving per micro-batch
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "gemm": [self.gemm.m, self.gemm.k, self.gemm.n, self.gemm.bias]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Choice:
+        return cls(**{**d, "gemm": Gemm(*d["gemm"])})
+
+
+def choose(us: dict, candidates: list[str], margin: float) -> str:
+    """The fastest candidate recipe if it beats bf16 by more than `margin` (a fraction),
+    else bf16."""
+    best = min(candidates, key=lambda r: us[r], default=None)
+    if best is None or not us[best] < us[BF16] * (1 - margin):
+        return BF16
+    return best
+
+
+class TimingCache:
+    """{key: microseconds} in one JSON file (None: nothing kept); a file that cannot be read
+    is started over, one that cannot be written only warns."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = Path(os.path.expanduser(path)) if path else None
+        self.data: dict[str, float] = {}
+        if self.path is not None and self.path.is_file():
+            try:
+                self.data = dict(json.loads(self.path.read_text()))
+            except (OSError, ValueError, TypeError):
+                log.warning("fp8 plan: %s cannot be read; measuring again", self.path)
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.data, indent=0, sort_keys=True))
+            tmp.replace(self.path)
+        except OSError as e:
+            log.warning("fp8 plan: the timings could not be cached in %s (%s)", self.path, e)
+
+
+def cache_key(gemm: Gemm, recipe: str, compiled: bool, device: torch.device) -> str:
+    """The GPU, torch, torchao, the shape, the recipe and whether compiled: what a timing
+    depends on."""
+    import torchao
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    how = ("compiled" if compiled else "eager") + "+cudagraph"  # how it was timed
+    return (
+        f"{gpu}|torch {torch.__version__}|torchao {torchao.__version__}|{gemm.key()}|{recipe}|{how}"
+    )
+
+
+def measure(
+    gemms: dict,
+    candidates: list[str],
+    margin: float,
+    timer: Callable[[Gemm, str], float],
+    key: Callable[[Gemm, str], str],
+    cache: TimingCache,
+) -> dict[str, Choice]:
+    """The plan: each layer's timings (from the cache, or `timer`) and its choice."""
+    timed: dict[str, float] = {}
+    plan = {}
+    for name, (gemm, calls) in gemms.items():
+        us = {}
+        for recipe in (BF16, *candidates):
+            k = key(gemm, recipe)
+            if k not in cache.data:
+                cache.data[k] = timer(gemm, recipe)
+                timed[k] = cache.data[k]
+            us[recipe] = cache.data[k]
+        pick = choose(us, candidates, margin)
+        plan[name] = Choice(gemm, calls, us, pick, (us[BF16] - us[pick]) * calls)
+    if timed:
+        cache.save()
+    return plan
+
+
+def table(plan: dict[str, Choice], candidates: list[str]) -> str:
+    """The plan as a markdown table, and the expected saving per micro-batch."""
+    cols = [BF16, *candidates]
+    lines = [
+        "| layer | M x K x N | " + " | ".join(f"{r} µs" for r in cols) + " | choice | saves µs |",
+        "|---|---|" + "---|" * len(cols) + "---|---|",
+    ]
+    for name, c in plan.items():
+        times = " | ".join(f"{c.us[r]:.1f}" for r in cols)
+        lines.append(
+            f"| {name} | {c.gemm.m} x {c.gemm.k} x {c.gemm.n} | {times} | {c.choice} | "
+            f"{c.saving_us:.1f} |"
+        )
+    total = sum(c.saving_us for c in plan.values())
+    base = sum(c.us[BF16] * c.calls for c in plan.values())
+    fp8 = sum(c.choice != BF16 for c in plan.values())
+    lines.append("")
+    share = 100 * total / max(base, 1e-9)
+    lines.append(
+        f"{fp8} of {len(plan)} layers in float8; expected saving {total / 1000:.2f} ms per "
+        f"micro-batch of these layers' {base / 1000:.2f} ms in bf16 ({share:.1f}%)"
+    )
+    return "\n".join(lines)

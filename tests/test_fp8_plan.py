@@ -1,0 +1,188 @@
+"""precision=fp8_auto (precision/fp8_plan.py): the per-layer choice on a fake timer, the shapes
+read from a forward, the timing cache and its key, the conversion that follows the plan, and a
+resumed run that keeps its plan. Timing on the GPU is test_gpu.py's (float8 needs one)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.precision import base as precision
+from mixprec.precision import fp8_plan
+from mixprec.precision.fp8_plan import BF16, Gemm, choose
+from mixprec.run import build
+from mixprec.run.config import validate
+
+from conftest import compose_cfg, group
+
+pytest.importorskip("torchao.float8")
+
+
+def test_a_layer_goes_float8_only_where_it_beats_bf16_by_the_margin():
+    cands = ["tensorwise", "rowwise"]
+    assert choose({BF16: 100.0, "tensorwise": 80.0, "rowwise": 90.0}, cands, 0.05) == "tensorwise"
+    assert choose({BF16: 100.0, "tensorwise": 120.0, "rowwise": 110.0}, cands, 0.05) == BF16
+    assert choose({BF16: 100.0, "tensorwise": 96.0, "rowwise": 99.0}, cands, 0.05) == BF16  # tie
+    assert choose({BF16: 100.0, "tensorwise": 96.0, "rowwise": 90.0}, cands, 0.0) == "rowwise"
+    assert choose({BF16: 100.0, "tensorwise": 1.0}, [], 0.05) == BF16  # no candidate
+
+
+class Net(nn.Module):
+    """Two wide layers (float8 pays on the fake timer), a narrow one (it does not), the head."""
+
+    mixprec_head = "head"
+
+    def __init__(self):
+        super().__init__()
+        self.wide1, self.wide2 = nn.Linear(64, 256), nn.Linear(256, 64)
+        self.narrow, self.head = nn.Linear(64, 16), nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.head(self.narrow(self.wide2(torch.relu(self.wide1(x)))))
+
+
+def fake_timer(calls: list):
+    """µs that favour float8 for K*N >= 64*256 (tensorwise most), bf16 for smaller layers."""
+
+    def timer(g: Gemm, recipe: str) -> float:
+        calls.append((g, recipe))
+        big = g.k * g.n >= 64 * 256
+        return {
+            BF16: 100.0,
+            "tensorwise": 60.0 if big else 130.0,
+            "rowwise": 70.0 if big else 140.0,
+        }[recipe]
+
+    return timer
+
+
+def test_shapes_come_from_a_forward_and_the_cache_spares_a_second_measurement(tmp_path):
+    model = Net()
+    x = torch.randn(2, 8, 64)  # 16 rows per layer: M = batch x tokens
+    names = ["wide1", "wide2", "narrow"]
+    gemms = fp8_plan.layer_gemms(model, x, lambda: torch.autocast("cpu", enabled=False), names)
+    assert gemms == {
+        "wide1": (Gemm(16, 64, 256, True), 1),
+        "wide2": (Gemm(16, 256, 64, True), 1),
+        "narrow": (Gemm(16, 64, 16, True), 1),
+    }
+    calls: list = []
+    cache = fp8_plan.TimingCache(str(tmp_path / "plan.json"))
+    key = lambda g, r: f"gpu|{g.key()}|{r}"  # noqa: E731
+    plan = fp8_plan.measure(gemms, ["tensorwise", "rowwise"], 0.05, fake_timer(calls), key, cache)
+    assert {n: c.choice for n, c in plan.items()} == {
+        "wide1": "tensorwise",
+        "wide2": "tensorwise",
+        "narrow": BF16,
+    }
+    assert plan["wide1"].saving_us == 40.0 and plan["narrow"].saving_us == 0.0
+    assert len(calls) == 3 * 3
+    again: list = []
+    cached = fp8_plan.TimingCache(str(tmp_path / "plan.json"))  # a new process, the same file
+    same = fp8_plan.measure(gemms, ["tensorwise", "rowwise"], 0.05, fake_timer(again), key, cached)
+    assert again == [] and {n: c.choice for n, c in same.items()} == {
+        n: c.choice for n, c in plan.items()
+    }
+    (tmp_path / "plan.json").write_text("{not json")  # a broken cache is measured again
+    assert fp8_plan.TimingCache(str(tmp_path / "plan.json")).data == {}
+
+
+def test_the_cache_key_changes_with_each_input(monkeypatch):
+    import torchao
+
+    cpu = torch.device("cpu")
+    g = Gemm(16, 64, 256, True)
+    base = fp8_plan.cache_key(g, "tensorwise", True, cpu)
+    others = {
+        fp8_plan.cache_key(Gemm(32, 64, 256, True), "tensorwise", True, cpu),  # shape
+        fp8_plan.cache_key(Gemm(16, 64, 256, False), "tensorwise", True, cpu),  # bias
+        fp8_plan.cache_key(g, "rowwise", True, cpu),  # recipe
+        fp8_plan.cache_key(g, "tensorwise", False, cpu),  # compiled or eager
+    }
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    others.add(fp8_plan.cache_key(g, "tensorwise", True, cpu))  # torch
+    monkeypatch.undo()
+    monkeypatch.setattr(torchao, "__version__", "0.0.1")
+    others.add(fp8_plan.cache_key(g, "tensorwise", True, cpu))  # torchao
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Another GPU")
+    others.add(fp8_plan.cache_key(g, "tensorwise", True, torch.device("cuda")))  # the GPU
+    assert base not in others and len(others) == 7
+
+
+def auto_plugin(**keys):
+    return precision.build(
+        group("precision", "fp8_auto", fp8_plan_cache=None, **keys),
+        group("scaler"),
+        torch.device("cpu"),
+        check_device=False,
+    )
+
+
+def test_the_plan_converts_each_layer_to_its_recipe_and_a_resume_keeps_it(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(
+        fp8_plan, "time_gemm", lambda g, r, compiled, device: fake_timer(calls)(g, r)
+    )
+    prec = auto_plugin()
+    prec.prepare(precision.Context(example=lambda: torch.randn(4, 64)))
+    model = prec.convert(Net())
+    assert type(model.wide1).__name__ == "Float8Linear" and type(model.narrow) is nn.Linear
+    assert prec.converted == ["wide1", "wide2"] and prec.owned() == dict.fromkeys(
+        prec.converted, "float8"
+    )
+    assert "head" not in prec.plan()  # the head is not eligible (fp8_head=false)
+    saved = json.loads(json.dumps(prec.plan()))  # as precision_plan.json holds it
+    summary = prec.plan_summary()
+    assert (summary["float8_layers"], summary["layers"]) == (2, 3)
+    # a resume: the saved plan, nothing timed
+    calls.clear()
+    resumed = auto_plugin()
+    resumed.prepare(precision.Context(example=lambda: torch.randn(4, 64), saved_plan=saved))
+    model = resumed.convert(Net())
+    assert calls == [] and resumed.converted == ["wide1", "wide2"] and resumed.plan() == saved
+    # rowwise as the only candidate: the chosen layers get torchao's rowwise config
+    rowwise = auto_plugin(fp8_candidates="[rowwise]")
+    rowwise.prepare(precision.Context(example=lambda: torch.randn(4, 64)))
+    model = rowwise.convert(Net())
+    cfg = model.wide1.config
+    assert (
+        cfg.round_scales_to_power_of_2
+        and cfg.cast_config_input.scaling_granularity.name == "AXISWISE"
+    )
+
+
+def test_without_a_micro_batch_every_eligible_layer_is_float8(monkeypatch):
+    """batch=auto's probes and the dtype audit give no micro-batch: nothing is timed, and every
+    eligible layer takes fp8_recipe (the upper bound of float8's share)."""
+    monkeypatch.setattr(fp8_plan, "time_gemm", lambda *a: pytest.fail("timed without a batch"))
+    prec = auto_plugin()
+    prec.prepare(precision.Context())
+    prec.convert(Net())
+    assert prec.converted == ["wide1", "wide2", "narrow"] and prec.plan() is None
+
+
+def test_a_run_dir_plan_is_found_for_a_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.pt").write_bytes(b"x")
+    (run_dir / build.PLAN_FILE).write_text(json.dumps({"wide1": {"choice": "tensorwise"}}))
+    c = validate(compose_cfg(["precision=fp8_auto", "resume=auto"], run_dir))
+    assert build.saved_plan(c) == {"wide1": {"choice": "tensorwise"}}
+    fresh = validate(compose_cfg(["precision=fp8_auto"], run_dir))
+    assert build.saved_plan(fresh) is None  # not a resume: plan again
+
+
+def test_bad_plan_settings_name_the_key():
+    from mixprec.core.errors import ConfigError
+
+    for keys, needle in [
+        (["precision.fp8_layers=some"], "precision.fp8_layers"),
+        (["precision.fp8_candidates=[blockwise]"], "precision.fp8_candidates"),
+        (["precision.fp8_margin=1.5"], "precision.fp8_margin"),
+    ]:
+        with pytest.raises(ConfigError, match=needle):
+            validate(compose_cfg(["precision=fp8_auto", *keys]))
