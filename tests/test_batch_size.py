@@ -270,3 +270,25 @@ def test_batch_auto_larger_than_the_data_becomes_the_datas_samples(tmp_path):
     given = Layout(62256, 1, 1)  # batch=62256 typed: left to plan() to refuse, naming it
     assert fit_auto_batch_to_data(given, load(62256), load).train.samples == samples
     assert given.batch == 62256 and loads[-1] == 62256
+
+
+def test_batch_auto_explains_what_grows_per_sample_and_what_is_fixed(tmp_path):
+    """find() says why: a line through the two largest probes that trained gives the memory
+    each sample adds and the part that does not grow; a cached answer explains the same from
+    the probes the cache kept."""
+    fixed, per_sample = 3 * 1024**3, 70 * 1024**2  # 3 GiB fixed, 70 MiB per sample
+    limit = fixed + per_sample * 300
+    settings = SearchSettings(start=16, resolution=8, cache=str(tmp_path / "c.json"))
+    calls: list[int] = []
+    probe = fake_gpu(fixed, per_sample, limit, calls, 0.0)
+    batch, found, why = batch_size.find(probe, settings, {"k": 1}, limit)
+    assert why["per_sample_mib"] == pytest.approx(70, rel=0.01)
+    assert why["fixed_gib"] == pytest.approx(3, rel=0.01)
+    assert why["peak_at_batch_gib"] == pytest.approx(
+        (fixed + per_sample * batch) / 1024**3, rel=0.01
+    )
+    assert why["limit_gib"] == pytest.approx(limit / 1024**3)
+    calls.clear()
+    again = batch_size.find(probe, settings, {"k": 1}, limit)
+    assert calls == [] and again == (batch, found, why)  # from the cache: no probe, same why
+    assert batch_size.explain([{"batch": 16, "fits": True, "peak_gib": 1.0}], 16, None) is None

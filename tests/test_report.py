@@ -204,3 +204,28 @@ def test_a_job_that_wrote_no_summary_is_a_failed_row(tmp_path):
     s = local.read(tmp_path / "0")
     assert (s["status"], s["precision"], s["batch"]) == ("failed", "bf16", 4)
     assert "no summary.json" in s["error"]
+
+
+def test_the_report_stacks_each_runs_measured_peak_into_its_parts(tmp_path):
+    """Runs with debug.memory's breakdown get a table and report_memory.png (a stacked bar per
+    run); the parts in the table are the summaries' own numbers."""
+    import json
+
+    from mixprec.report import report
+    from mixprec.sinks import local
+
+    parts = {"weights": 3.26, "optimizer_state": 6.52, "inputs_and_buffers": 0.07}
+    parts |= {"activations": 6.57, "autocast_copies": 0.0, "gradients": 0.26, "temporaries": 0.0}
+    for i, (prec, act) in enumerate((("bf16", 6.57), ("fp32", 25.51))):
+        run = tmp_path / str(i)
+        (run / ".hydra").mkdir(parents=True)
+        (run / ".hydra" / "overrides.yaml").write_text(f"- precision={prec}\n")
+        b = {**parts, "activations": act, "reserve": 0.7, "phase": "backward", "step": 3}
+        b["peak"] = sum(v for k, v in b.items() if k in parts)
+        summary = local.make(status="completed", precision=prec, memory_breakdown=b)
+        (run / "summary.json").write_text(json.dumps(summary))
+    out = report.write([tmp_path], tmp_path / "report", to_wandb=False, echo=False)
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "## Where the peak goes" in text
+    assert "| precision=fp32 | 35.62 | 3.26 | 6.52 | 0.07 | 25.51 |" in text
+    assert tmp_path / "report" / "report_memory.png" in out["files"]

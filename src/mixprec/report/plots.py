@@ -1,7 +1,8 @@
 """The sweep report's plots: report_bars.png (throughput with its spread, and peak memory, one
-bar per run, coloured by precision, fp32's value as a reference line) and report_curves.png (loss,
+bar per run, coloured by precision, fp32's value as a reference line), report_curves.png (loss,
 loss scale and val accuracy over optimizer steps, each panel with its legend; runs without a
-GradScaler have no loss-scale curve)."""
+GradScaler have no loss-scale curve) and, where runs measured it (debug.memory),
+report_memory.png (each peak as a stacked bar of its parts)."""
 
 from __future__ import annotations
 
@@ -94,7 +95,57 @@ def draw(runs: list[dict], out_dir: Path) -> list[Path]:
     paths.append(out_dir / "report_curves.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
+    measured = [r for r in runs if (r.get("memory_breakdown") or {}).get("peak") is not None]
+    if measured:  # debug.memory: the peak's parts, a stacked bar per run
+        paths.append(memory_plot(measured, out_dir / "report_memory.png"))
     return paths
+
+
+MEMORY_COLOURS = {
+    "weights": "tab:blue",
+    "optimizer_state": "tab:orange",
+    "inputs_and_buffers": "tab:gray",
+    "activations": "tab:green",
+    "autocast_copies": "tab:olive",
+    "gradients": "tab:red",
+    "temporaries": "tab:purple",
+    "reserve": "white",
+}
+
+
+def memory_plot(runs: list[dict], path: Path) -> Path:
+    """debug.memory: each run's peak as a stacked bar of its parts (GiB), the allocator's
+    reserve beside it hatched."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(13, 0.5 * max(4, len(runs)) + 1.5))
+    labels = [r["run"] for r in runs]
+    left = [0.0] * len(runs)
+    for part, colour in MEMORY_COLOURS.items():
+        values = [_num(r["memory_breakdown"].get(part)) or 0.0 for r in runs]
+        hatch = "//" if part == "reserve" else None
+        ax.barh(
+            labels,
+            values,
+            left=left,
+            color=colour,
+            edgecolor="black",
+            linewidth=0.3,
+            hatch=hatch,
+            label=part.replace("_", " "),
+        )
+        left = [a + b for a, b in zip(left, values)]
+    ax.set_xlabel("GiB at the measured step's peak (debug.memory); hatched: held, unused")
+    ax.set_title("where the peak goes", loc="left", fontsize=10)
+    ax.invert_yaxis()
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def loss_scale_plot(run_dir: Path) -> Path | None:

@@ -176,6 +176,23 @@ def console(table: list[dict]) -> str:
     return "\n".join(out)
 
 
+def memory_table(runs: list[dict]) -> str:
+    """debug.memory's parts per run (GiB), or '' when no run measured them."""
+    from mixprec.diagnostics.memory import PARTS
+
+    rows = [r for r in runs if (r.get("memory_breakdown") or {}).get("peak") is not None]
+    if not rows:
+        return ""
+    head = ["run", "peak", *(p.replace("_", " ") for p in PARTS), "reserve", "peak in"]
+    text = "\n## Where the peak goes (GiB, debug.memory)\n\n| " + " | ".join(head) + " |\n"
+    text += "|" + "---|" * len(head) + "\n"
+    for r in rows:
+        b = r["memory_breakdown"]
+        cells = [f"{_num(b.get(k)) or 0.0:.2f}" for k in ("peak", *PARTS, "reserve")]
+        text += f"| {r['run']} | " + " | ".join(cells) + f" | {b.get('phase')} |\n"
+    return text
+
+
 def write(
     paths: list[Path],
     out_dir: Path | None = None,
@@ -208,6 +225,7 @@ def write(
             + " |\n"
             for g in pooled
         )
+    text += memory_table(runs)
     studied = out_dir / "study.json"
     if studied.exists():  # a time-to-quality study of this sweep (study.py): its answer first
         text = (out_dir / "study.md").read_text() + "\n" + text

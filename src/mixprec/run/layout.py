@@ -29,6 +29,7 @@ class Layout:
     accum: int  # micro-batches per optimizer step
     world: int  # processes
     max_batch: int | None = None  # the largest micro-batch that trained (batch=auto)
+    why: dict | None = None  # batch=auto: per-sample and fixed memory (batch_size.explain)
 
     @property
     def effective(self) -> int:
@@ -43,7 +44,7 @@ def resolve(c: TrainConfig, hw, device: torch.device, world: int, prec, probes) 
     searches the largest micro-batch that trains)."""
     layout = Layout(c.batch, c.accum, world)
     if c.batch == "auto":
-        layout.batch, layout.max_batch = auto_batch(c, hw, device, prec, probes)
+        layout.batch, layout.max_batch, layout.why = auto_batch(c, hw, device, prec, probes)
         if world > 1 and c.parallel.strategy == "fsdp":
             log.warning(
                 "batch=auto probed FSDP2 over each rank alone (a probe that ran out of memory "
@@ -79,10 +80,10 @@ def resolve(c: TrainConfig, hw, device: torch.device, world: int, prec, probes) 
     return layout
 
 
-def auto_batch(c: TrainConfig, hw, device: torch.device, prec, probes) -> tuple[int, int]:
-    """(micro-batch to use, the largest that trained), searched with real training steps on
-    models built as training builds them (`probes()`: build.probes, a learner and an input
-    batch for a micro-batch size)."""
+def auto_batch(c: TrainConfig, hw, device: torch.device, prec, probes) -> tuple:
+    """(micro-batch to use, the largest that trained, batch_size.explain()'s why), searched
+    with real training steps on models built as training builds them (`probes()`:
+    build.probes, a learner and an input batch for a micro-batch size)."""
     if device.type != "cuda":
         raise ConfigError(
             "batch=auto searches GPU memory and needs a CUDA device; on the CPU give batch=<int>"

@@ -52,6 +52,7 @@ def of_session(s) -> dict:
         memory=hardware.memory_kind(p.device),
         torch=torch.__version__,
         max_batch=p.layout.max_batch,
+        batch_auto=p.layout.why,  # batch=auto: what grows per sample, what is fixed
         grad_checkpointing=c.model.grad_checkpointing,
         memory_cap_gib=p.hw.memory_gib,
         checkpoint=_path(checkpoint.latest(s.ckpt.parent)),  # last.pt, or last.dcp

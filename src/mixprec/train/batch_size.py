@@ -274,14 +274,20 @@ def probe_with(
 
 def find(
     probe: Callable[[int], int], s: BatchSearchConfig, key: dict, limit: int
-) -> tuple[int, int]:
-    """(micro-batch to use, the largest that trained): the cached answer for `key`, or a search
-    (every rank agrees on the smallest), less the margin, rounded down to a multiple of 8."""
+) -> tuple[int, int, dict | None]:
+    """(micro-batch to use, the largest that trained, why: explain()): the cached answer for
+    `key`, or a search (every rank agrees on the smallest), less the margin, rounded down to a
+    multiple of 8."""
     t0 = time.perf_counter()
+    searched: list[dict] = []
+
+    def compute() -> tuple[int, list]:
+        found, probes = search(probe, s, agree=distributed.all_min, limit=limit)
+        searched.extend(probes)
+        return found, probes
+
     with hardware.cudnn_benchmark(False):  # probes: heuristics, no per-shape algorithm timing
-        found, hit = cached(
-            key, s.cache_path, lambda: search(probe, s, agree=distributed.all_min, limit=limit)
-        )
+        found, hit = cached(key, s.cache_path, compute)
     found = distributed.all_min(found)  # a rank that read a different cache still agrees
     batch = with_margin(found, s.margin)
     log.info(
@@ -293,4 +299,41 @@ def find(
         batch,
         100 * s.margin,
     )
-    return batch, found
+    if hit:  # the probes of the search that filled the cache
+        entry = _read(s.cache_path).get(json.dumps(key, sort_keys=True), {})
+        searched = entry.get("probes") or []
+    why = explain(searched, batch, limit)
+    if why is not None:
+        log.info(
+            "batch=auto: each sample adds %.1f MiB (what the forward keeps for the backward, "
+            "and its temporaries); %.2f GiB does not grow with the batch (weights, gradients, "
+            "optimizer state, buffers, workspaces); at batch %d the peak is %.2f GiB of the "
+            "%s the process may use (a line through the two largest probes that trained)",
+            why["per_sample_mib"],
+            why["fixed_gib"],
+            batch,
+            why["peak_at_batch_gib"],
+            f"{why['limit_gib']:.2f} GiB" if why["limit_gib"] else "memory",
+        )
+    return batch, found, why
+
+
+def explain(probes: list[dict], batch: int, limit: int | None) -> dict | None:
+    """What grows with the batch and what does not, from the probes that trained: a line
+    through the two largest (peak = fixed + per_sample x batch); None with fewer than two."""
+    fitted = sorted(
+        (p["batch"], p["peak_gib"]) for p in probes if p.get("fits") and p.get("peak_gib")
+    )
+    if len(fitted) < 2 or fitted[-1][0] == fitted[-2][0]:
+        return None
+    (b1, p1), (b2, p2) = fitted[-2:]
+    per = (p2 - p1) / (b2 - b1)
+    fixed = p2 - per * b2
+    return {
+        "batch": batch,
+        "per_sample_mib": per * 1024,
+        "fixed_gib": fixed,
+        "peak_at_batch_gib": fixed + per * batch,
+        "limit_gib": limit / 1024**3 if limit else None,
+        "probes": [list(f) for f in fitted],
+    }
