@@ -110,6 +110,10 @@ def test_the_build_order_converts_before_the_wrap_and_the_optimizer_sees_the_res
     order = []
 
     class Recording(precision.Precision):
+        def prepare(self, ctx):
+            super().prepare(ctx)  # a micro-batch of the run's shape, and how it will run
+            order.append(("prepare", tuple(ctx.example().shape), ctx.compiled, ctx.sharded))
+
         def convert(self, model):
             order.append(("convert", type(model).__name__))
             return model
@@ -126,7 +130,11 @@ def test_the_build_order_converts_before_the_wrap_and_the_optimizer_sees_the_res
         0.1,
         inspect=lambda m: order.append(("inspect", type(m).__name__)),
     )
-    assert order == [("convert", "DigitsMLP"), ("inspect", "DigitsMLP")]
+    assert order == [
+        ("prepare", (4, 1, 8, 8), True, False),
+        ("convert", "DigitsMLP"),
+        ("inspect", "DigitsMLP"),
+    ]
     assert isinstance(model._orig_mod, DDP)  # compile wraps the parallel module
     params = {id(p) for g in opt.param_groups for p in g["params"]}
     assert params == {id(p) for p in models.unwrap(model).parameters()}
@@ -251,3 +259,28 @@ def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temp(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
     files.write_json(path, {"loss": float("nan")})  # JSON has no nan: written as a string
     assert json.loads(path.read_text()) == {"loss": "nan"}
+
+
+def test_a_precision_hears_after_every_optimizer_step_attempted_skipped_ones_too():
+    """Precision.after_optimizer_step: once per step train_step attempts, a step GradScaler
+    skipped included (a stateful recipe's hook, without editing the loop)."""
+    from torch import nn
+
+    from mixprec.train import loop
+
+    calls = []
+
+    class Counting(precision.Precision):
+        def after_optimizer_step(self, optimizer):
+            calls.append(self.scaler.get_scale())
+
+    base = precision.build(
+        group("precision", "amp"), group("scaler", init_scale=2.0**30), torch.device("cpu")
+    )
+    prec = Counting(base.cfg, "cpu", base.scaler, guard_bn_stats=False)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    learner = loop.Learner(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1), prec)
+    batch = [(torch.randn(4, 8), torch.randint(0, 4, (4,)))]
+    ran = [loop.train_step(learner, batch).stepped for _ in range(30)]
+    assert len(calls) == 30 and not all(ran) and any(ran)  # skipped steps heard too

@@ -454,3 +454,27 @@ print(inductor_fix.apply(), tuning_ahead.apply(), atexit._ncallbacks(),
     assert on[1] == "True" and on[3] == "False"  # the tuner is wrapped when the switch is on
     without_exit = run("quick_exit")  # one name switches one patch: the tuner is still wrapped
     assert without_exit[1] == "True" and int(on[2]) == int(without_exit[2]) + 1
+
+
+def test_a_patch_on_a_torch_it_was_not_written_for_does_nothing_and_says_so_once(
+    monkeypatch, caplog
+):
+    import logging
+
+    import torch
+
+    from mixprec import internals
+
+    monkeypatch.delenv(internals.SWITCH, raising=False)
+    monkeypatch.setattr(internals, "_said", set())
+    monkeypatch.setattr(torch, "__version__", "2.14.1+cu130")
+    assert internals.enabled("tuning_ahead")  # a version it was tested on
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        assert not internals.enabled("tuning_ahead") and not internals.enabled("tuning_ahead")
+    said = [r.message for r in caplog.records if "tuning_ahead is off" in r.message]
+    assert said == [
+        "tuning_ahead is off (written for torch 2.11, 2.12, 2.13, 2.14; this is torch 2.99)"
+    ]
+    monkeypatch.setattr(internals, "GATES", {**internals.GATES, "quick_exit": ("python", ("2.7",))})
+    assert not internals.enabled("quick_exit")  # a Python it was not written for

@@ -7,7 +7,8 @@ interpreter's teardown once the final line is written.
 
 Each is switched off by naming it in MIXPREC_PATCHES_OFF (comma-separated: inductor_fix,
 tuning_ahead, quick_exit; `all` for every one), so that what it buys can be measured side by side
-and a torch it breaks can still run.
+and a torch it breaks can still run. And each is gated by version (GATES): on a torch (or, for
+quick_exit, a Python) it was not written and tested for, it does nothing and says so once.
 
 May import: core.
 """
@@ -16,20 +17,46 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 log = logging.getLogger("mixprec")
 SWITCH = "MIXPREC_PATCHES_OFF"
 PATCHES = ("inductor_fix", "tuning_ahead", "quick_exit")
+# the versions each patch was written and tested for (major.minor): measured on the GPU with torch
+# 2.11, tested on the CPU with 2.11 (CI's minimum) and 2.14 (CI); inductor's bug that
+# inductor_fix mends was fixed upstream after 2.11
+GATES = {
+    "inductor_fix": ("torch", ("2.11",)),
+    "tuning_ahead": ("torch", ("2.11", "2.12", "2.13", "2.14")),
+    "quick_exit": ("python", ("3.11", "3.12", "3.13")),
+}
 _said: set[str] = set()
 
 
 def enabled(name: str) -> bool:
-    """Whether the patch `name` may be applied (MIXPREC_PATCHES_OFF does not name it); a patch
-    switched off says so once."""
+    """Whether the patch `name` may be applied: MIXPREC_PATCHES_OFF does not name it, and this
+    torch (Python) is one it was written for. A patch that is off says why, once."""
     off = {w.strip() for w in os.environ.get(SWITCH, "").split(",") if w.strip()}
+    why = None
     if name in off or "all" in off:
-        if name not in _said:
-            _said.add(name)
-            log.info("%s is off (%s=%s)", name, SWITCH, os.environ[SWITCH])
-        return False
-    return True
+        why = f"{SWITCH}={os.environ[SWITCH]}"
+    else:
+        what, versions = GATES[name]
+        have = _version(what)
+        if have not in versions:
+            why = f"written for {what} {', '.join(versions)}; this is {what} {have}"
+    if why is None:
+        return True
+    if name not in _said:
+        _said.add(name)
+        log.info("%s is off (%s)", name, why)
+    return False
+
+
+def _version(what: str) -> str:
+    """major.minor of torch or of this Python."""
+    if what == "python":
+        return f"{sys.version_info[0]}.{sys.version_info[1]}"
+    import torch
+
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2])

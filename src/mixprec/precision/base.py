@@ -15,6 +15,8 @@ What a precision decides, and where the run asks it (the plugin interface):
 - plan(): what convert() decided and a resume must keep (precision_plan.json; fp8_auto's);
 - promised(): the dtypes it adds to what the dtype plan checks after step 1 (bf16 weights);
 - autocast() and scaler: the forward's dtype and the loss scaling, used by loop.train_step;
+- after_optimizer_step(optimizer): after each optimizer step train_step attempts (GradScaler may
+  have skipped it), for a recipe with state of its own (delayed scaling's amax history, say);
 - owned(): the modules it converted, with the dtype they compute in (MFU, the dtype audit);
 - peak_tflops(peaks, owned_share): the dense peak its FLOPs can reach (MFU);
 - columns(): what the W&B config shows of it; memory_key(): what changes memory (batch=auto);
@@ -164,6 +166,10 @@ class Precision:
 
     def convert(self, model: nn.Module) -> nn.Module:
         return model
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After each optimizer step train_step attempts (GradScaler may have skipped it:
+        its StepWatch knows), before the gradients are zeroed. Nothing here."""
 
     def plan(self) -> dict | None:
         """What convert() decided that a resume must keep (None: nothing)."""

@@ -129,6 +129,7 @@ def train_step(
             grads = torch.cat([sharding.local(p.grad).detach().float().flatten() for p in params])
     prec.scaler.step(optimizer)  # skipped if any gradient is inf/nan
     prec.scaler.update()  # halve the scale on overflow, grow it after growth_interval clean steps
+    prec.after_optimizer_step(optimizer)  # a recipe's own state (a no-op for the built-in ones)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(total, grad_norm, learner.watch.pop(), grads)
 
