@@ -284,3 +284,54 @@ def test_a_precision_hears_after_every_optimizer_step_attempted_skipped_ones_too
     batch = [(torch.randn(4, 8), torch.randint(0, 4, (4,)))]
     ran = [loop.train_step(learner, batch).stepped for _ in range(30)]
     assert len(calls) == 30 and not all(ran) and any(ran)  # skipped steps heard too
+
+
+@pytest.mark.slow
+def test_a_logger_defined_outside_src_receives_the_runs_rows(tmp_path):
+    """logger=csv from tests/plugins (its sink names its module): every row metrics.jsonl has
+    reaches it, and the summary; beside W&B's sink as logger=[csv,none] would be."""
+    import csv
+
+    proc = outside("logger=csv", *QUICK, run_dir=tmp_path / "csv")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "csv" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    jsonl = (tmp_path / "csv" / "metrics.jsonl").read_text().splitlines()
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert len(rows) == len(jsonl) and len(losses) == 3 and all(v > 0 for v in losses)
+    assert json.loads((tmp_path / "csv" / "metrics.summary.json").read_text())["status"] == (
+        "completed"
+    )
+    bad = outside("logger=csv", "logger.sinks.csv=no_such_module", *QUICK, run_dir=tmp_path / "b")
+    assert bad.returncode == 2 and "logger.sinks.csv='no_such_module' cannot be imported" in (
+        bad.stdout + bad.stderr
+    )
+
+
+def test_an_optimizer_defined_outside_src_trains_and_resumes(cfg_factory):
+    """optimizer=own: a user's optimizer from a folder (optimizer.path), with its kwargs; one of
+    torch's by name; and a target that returns something else is a config error naming it."""
+    from mixprec.core.errors import ConfigError
+
+    own = [f"optimizer.path={PLUGINS}", "optimizer=own", "optimizer.target=own_optim:sign_sgd"]
+    first = cfg_factory(*own, "+optimizer.kwargs.scale=0.5", "trainer.max_steps=4")
+    s = run.run(first)
+    from conftest import train_losses
+
+    losses = train_losses(Path(first.run_dir))
+    assert s["status"] == "completed" and losses[-1] < losses[0]  # it optimises
+    again = cfg_factory(
+        *own, "+optimizer.kwargs.scale=0.5", "trainer.max_steps=6", f"resume={first.run_dir}"
+    )
+    assert run.run(again)["steps"] == 6
+    rms = cfg_factory(
+        "optimizer=own", "optimizer.target=torch.optim:RMSprop", "trainer.max_steps=2"
+    )
+    assert run.run(rms)["status"] == "completed"
+    bad = cfg_factory(*own[:2], "optimizer.target=own_optim:not_an_optimizer")
+    with pytest.raises(
+        ConfigError, match="optimizer.target='own_optim:not_an_optimizer' returned str"
+    ):
+        run.run(bad)
+    with pytest.raises(ConfigError, match="optimizer.target=None is not allowed"):
+        validate(cfg_factory("optimizer=own"))

@@ -8,20 +8,25 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, fields
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from omegaconf import MISSING
 from timm.optim import create_optimizer_v2
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 
+from mixprec.core import targets
 from mixprec.core.errors import CheckpointError, ConfigError, check, one_of
 from mixprec.optim import states as optim_states
 
 log = logging.getLogger(__name__)
 
 # the keys each option reads beside name/lr/... (conf/optimizer/*.yaml, conf/scheduler/*.yaml)
-OPTIMIZER_KEYS = {"sgd": ("momentum", "nesterov"), "adamw": ("betas", "eps")}
+OPTIMIZER_KEYS = {
+    "sgd": ("momentum", "nesterov"),
+    "adamw": ("betas", "eps"),
+    "own": ("target", "path", "kwargs"),  # your optimizer: optimizer.target=pkg.module:callable
+}
 SCHEDULE_KEYS = {
     "cosine": ("warmup_steps", "warmup_fraction", "warmup_start", "min_lr_ratio"),
     "step": ("warmup_steps", "warmup_fraction", "warmup_start", "step_size", "gamma"),
@@ -61,9 +66,19 @@ class OptimizerConfig:
     eps: Optional[float] = None  # adamw
     state: str = "fp32"  # adamw: fp32, 8bit, 4bit, fp8 moments; bf16 weights+moments (torchao)
     offload: str = "none"  # cpu: the state in host memory, the step on the CPU (torchao)
+    target: Optional[str] = None  # own: 'pkg.module:callable' (torch.optim:RMSprop, yours)
+    path: Optional[str] = None  # own: a folder put first on the module path for the target
+    kwargs: Optional[Dict[str, Any]] = None  # own: the target's own arguments
 
     def __post_init__(self) -> None:
         _only_its_keys("optimizer", self, OPTIMIZER_KEYS)
+        if self.name == "own":
+            if self.target is None:
+                raise ConfigError(
+                    "optimizer=own: optimizer.target=None is not allowed; it names your "
+                    "optimizer as 'package.module:callable' (e.g. torch.optim:RMSprop)"
+                )
+            targets.check_target("optimizer.target", self.target)
         optim_states.check_config(self)
         check(math.isfinite(self.lr) and self.lr > 0, "optimizer.lr", self.lr, "finite and > 0")
         check(self.base_batch >= 1, "optimizer.base_batch", self.base_batch, "an int >= 1")
@@ -169,6 +184,8 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     if optim_states.used(ocfg):  # low-bit states or CPU offload: torchao's optimizers
         return optim_states.build(ocfg, model, lr)
+    if ocfg.name == "own":
+        return own_optimizer(ocfg, model, lr)
     fused = use_fused(ocfg, device.type)
     kwargs = dict(fused=True) if fused else dict(foreach=ocfg.foreach)
     kwargs.update(
@@ -191,6 +208,25 @@ def build_optimizer(
         model, ocfg.name, lr=lr, weight_decay=ocfg.weight_decay, **kwargs
     )
     zero_momentum(optimizer)
+    return optimizer
+
+
+def own_optimizer(ocfg: OptimizerConfig, model: torch.nn.Module, lr: float):
+    """optimizer=own: the callable optimizer.target names, called with optimizer.kwargs and,
+    where its signature names them, `params` (timm's groups: no weight decay on biases and
+    norms), `lr` (the scaled learning rate), `weight_decay` and `model`."""
+    from timm.optim import param_groups_weight_decay
+
+    fn = targets.load("optimizer.target", ocfg.target, ocfg.path)
+    groups = param_groups_weight_decay(model, ocfg.weight_decay)
+    facts = {"params": groups, "lr": lr, "weight_decay": ocfg.weight_decay, "model": model}
+    optimizer = targets.call("optimizer.target", ocfg.target, fn, dict(ocfg.kwargs or {}), facts)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"optimizer.target={ocfg.target!r} returned {type(optimizer).__name__}, not a "
+            "torch.optim.Optimizer"
+        )
+    log.info("optimizer=own: %s from %s", type(optimizer).__name__, ocfg.target)
     return optimizer
 
 

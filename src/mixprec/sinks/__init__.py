@@ -4,7 +4,9 @@
 true`) and holds its settings as `logger.<key>`; `logger=[wandb,tensorboard]` (Hydra's
 multi-select) switches on both, `logger=none` none. A sink module has a `Config` (its keys, which
 it alone reads), a `Sink` (the class the Tracker writes to) and `FILES` (what it keeps in the
-run dir). Adding a backend is one module here and one YAML in conf/logger/. The local files
+run dir). Adding a backend is one module here and one YAML in conf/logger/ — or, for a logger
+of your own outside mixprec, a YAML whose sink names its module (`sinks: {mine: pkg.module}`:
+an importable path instead of `true`), as `precision.plugin` names a precision's. The local files
 (metrics.jsonl, summary.json: sinks/local.py) are written always: they are the contract.
 
 May import: core, optim (describe.py: what ran, as the dashboards' config).
@@ -44,6 +46,7 @@ class LoggerConfig:
     """The composed `logger` node: the sinks switched on, each with its own Config."""
 
     sinks: dict[str, Any]  # sink name -> its Config
+    modules: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> its module path
 
     @property
     def names(self) -> list[str]:
@@ -62,6 +65,23 @@ def _module(name: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{name}")
 
 
+def _plugin(name: str, path: str) -> ModuleType:
+    """A sink of the user's: `logger.sinks.<name>: <module path>`, checked."""
+    try:
+        module = importlib.import_module(path)
+    except ImportError as e:
+        raise ConfigError(
+            f"logger.sinks.{name}={path!r} cannot be imported ({e}); it must be a module with "
+            "a Config and a Sink (true instead of a path: one of mixprec's own loggers)"
+        ) from None
+    if not (hasattr(module, "Config") and hasattr(module, "Sink")):
+        raise ConfigError(
+            f"logger.sinks.{name}={path!r} is not a logger plugin: it must define Config (a "
+            "dataclass of its keys) and Sink (log, table, histograms, summary, close, label)"
+        )
+    return module
+
+
 def run_files() -> tuple[str, ...]:
     """Every file or folder a sink may keep in a run dir (overwrite=true removes them)."""
     return tuple(f for name in (ALWAYS, *names()) for f in _module(name).FILES)
@@ -69,14 +89,18 @@ def run_files() -> tuple[str, ...]:
 
 def parse(node: dict) -> LoggerConfig:
     """The sinks switched on and their Configs; a key that no chosen sink reads is an error."""
-    chosen = [k for k, on in (node.get("sinks") or {}).items() if on]
+    switched = {k: v for k, v in (node.get("sinks") or {}).items() if v}
+    chosen = list(switched)
+    paths = {k: v for k, v in switched.items() if isinstance(v, str)}  # a user's logger
     for name in chosen:
-        if name not in names():
+        if name not in names() and name not in paths:
             raise ConfigError(
                 f"logger={name!r} is not a logger{nearest(name, names())} "
-                f"(allowed: {', '.join(names())} or none)"
+                f"(allowed: {', '.join(names())} or none; a logger of your own: "
+                f"logger.sinks.{name}=<its module>)"
             )
-    schemas = {name: _module(name).Config for name in chosen}
+    modules = {n: paths[n] if n in paths else f"{__name__}.{n}" for n in chosen}
+    schemas = {n: (_plugin(n, paths[n]) if n in paths else _module(n)).Config for n in chosen}
     known = {f.name: name for name, s in schemas.items() for f in dataclasses.fields(s)}
     for key in node:
         if key != "sinks" and key not in known:
@@ -88,7 +112,7 @@ def parse(node: dict) -> LoggerConfig:
     for name, schema in schemas.items():
         mine = {f.name: node[f.name] for f in dataclasses.fields(schema) if f.name in node}
         out[name] = structured(schema, mine, "logger")
-    return LoggerConfig(out)
+    return LoggerConfig(out, modules)
 
 
 def build(cfg: LoggerConfig, ctx: Context) -> list:
@@ -97,7 +121,7 @@ def build(cfg: LoggerConfig, ctx: Context) -> list:
 
     out = [_module(ALWAYS).Sink(ctx)]
     for name, cfg_ in cfg.sinks.items():
-        module = _module(name)
+        module = importlib.import_module(cfg.modules.get(name) or f"{__name__}.{name}")
         try:
             out.append(module.Sink(cfg_, ctx))
         except ConfigError:
