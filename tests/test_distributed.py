@@ -201,3 +201,34 @@ def test_torchrun_trains_the_language_model_as_one_process_does(tmp_path):
     s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
     assert s2["world_size"] == 2 and s2["effective_batch"] == 8
     assert s2["val_loss"] == pytest.approx(s1["val_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_the_two_gpu_runs_of_issue_44_run_end_to_end_on_gloo(tmp_path):
+    """benchmarks/two_gpu.sh --dry-run: every command the 2-GPU machine will run (DDP and FSDP2,
+    FSDP2's two reduce dtypes, a model sharded with DCP checkpoints and resumed), on the CPU over
+    gloo with two processes, each completing in a world of 2."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    p = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "two_gpu.sh"), "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    summaries = {
+        s.parent.name: json.loads(s.read_text())
+        for s in (tmp_path / "two_gpu").glob("*/summary.json")
+    }
+    assert set(summaries) == {
+        "1-ddp-bf16",
+        "1-fsdp-bf16",
+        "2-fsdp-reduce-float32",
+        "2-fsdp-reduce-bfloat16",
+        "3-big-sharded",
+        "3-big-resumed",
+    }
+    assert all(s["status"] == "completed" and s["world_size"] == 2 for s in summaries.values())
+    assert summaries["3-big-resumed"]["steps"] == summaries["3-big-sharded"]["steps"] + 2
+    assert (tmp_path / "two_gpu" / "3-big-sharded" / "checkpoints" / "last.dcp").exists()
