@@ -39,6 +39,10 @@ def test_every_option_composes_and_validates(group, option):
         with pytest.raises(ConfigError, match="no model chosen; set model.target"):
             validate(compose_cfg(["model=own"]))
         cfg = compose_cfg(["model=own", "model.target=mynets:Net"])
+    elif (group, option) == ("optimizer", "own"):
+        with pytest.raises(ConfigError, match="optimizer.target=None is not allowed"):
+            validate(compose_cfg(["optimizer=own"]))
+        cfg = compose_cfg(["optimizer=own", "optimizer.target=torch.optim:RMSprop"])
     elif (group, option) == ("data", "custom"):
         with pytest.raises(ConfigError, match="data.target=None is not allowed"):
             validate(compose_cfg(["data=custom"]))

@@ -28,7 +28,7 @@ from mixprec.core.errors import ConfigError, one_of
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("ddp", "fsdp")
+STRATEGIES = ("ddp", "fsdp")  # strategy.py: what each one does
 REDUCE_DTYPES = ("float32", "bfloat16")
 
 

@@ -23,7 +23,7 @@ from mixprec.diagnostics import dtype_plan
 from mixprec.models import flops
 from mixprec.optim import optimizers as optim
 from mixprec.optim import states as optim_states
-from mixprec.parallel import distributed, sharding
+from mixprec.parallel import distributed, sharding, strategy
 from mixprec.precision import base as precision
 from mixprec.precision import fp32_layers
 from mixprec.run import config
@@ -188,8 +188,9 @@ def assemble(
     example_batch = lambda: example(  # noqa: E731
         c, spec.input_shape, device, spec.batch, spec.num_classes, spec.task
     )
+    parallel = strategy.of(c.parallel)
     ctx = precision.Context(
-        sharded=dd.grouped and c.parallel.strategy == "fsdp",  # a world of one too
+        sharded=dd.grouped and parallel.shards,  # a world of one too
         example=None if probing else example_batch,
         compiled=c.model.compile,
         saved_plan=None if probing else saved_plan(c),
@@ -199,11 +200,8 @@ def assemble(
     optim_states.to_weights(c.optimizer, model)  # optimizer.state=bf16: bf16 weights
     prec.kept = fp32_layers.keep(model, c.precision.keep_fp32, device.type, set(prec.owned()))
     inspect(model)
-    sharding.check(c.parallel, prec, c.model, c.optimizer)
-    if prec.sharded:  # sharding replaces the parameters
-        model = sharding.shard(model, c.parallel, prec, models.blocks_of(model), dd.mesh)
-    else:
-        model = distributed.wrap(model, dd, device)
+    parallel.check(c.parallel, prec, c.model, c.optimizer)
+    model = parallel.wrap(model, c.parallel, prec, models.blocks_of(model), dd, device)
     if c.model.cuda_graphs:  # a fixed batch shape: the one every training step has
         x = example(c, spec.input_shape, device, spec.batch, spec.num_classes, spec.task)
         compiling.capture_graphs(models.unwrap(model), x, prec)
@@ -239,7 +237,7 @@ def probes(c: TrainConfig, device: torch.device) -> tuple:
     unwrapped, or parallel=fsdp sharded over this rank alone). Called on every rank."""
     num_classes, shape = datasets.spec(c.data)
     task = datasets.task(c.data)
-    alone = distributed.probe_dist(c.parallel.strategy == "fsdp", device.type)
+    alone = distributed.probe_dist(strategy.of(c.parallel).group_of_one, device.type)
 
     def new_learner(b: int) -> loop.Learner:
         prec = new_precision(c, device)
@@ -279,7 +277,7 @@ def saved_plan(c: TrainConfig) -> dict | None:
 
 def dtype_promise(c: TrainConfig, p: Parts) -> dtype_plan.Promise:
     """What this config promises about the run's tensors (checked after its first step)."""
-    prec, fsdp = p.learner.precision, c.parallel.strategy == "fsdp"
+    prec, fsdp = p.learner.precision, strategy.of(c.parallel).shards
     weights = ["bfloat16" if c.optimizer.state == "bf16" else "float32"]
     weights += prec.promised().get("weights", [])  # a plugin that keeps weights in bf16
     gathered = sharding.param_dtype(prec) if fsdp else None

@@ -32,6 +32,7 @@ from mixprec.core.errors import ConfigError, check, nearest, one_of
 from mixprec.core.hardware import HardwareConfig, Profiles
 from mixprec.models import ModelConfig
 from mixprec.optim.optimizers import OptimizerConfig, SchedulerConfig
+from mixprec.parallel import strategy
 from mixprec.parallel.sharding import ParallelConfig
 from mixprec.precision import base as precisions
 from mixprec.precision.base import ScalerConfig
@@ -130,7 +131,7 @@ class TrainConfig:
             "null or an int >= 1",
         )
         check(
-            not self.ckpt.sharded or self.parallel.strategy == "fsdp",
+            not self.ckpt.sharded or strategy.of(self.parallel).shards,
             "ckpt.sharded",
             self.ckpt.sharded,
             "false unless parallel=fsdp (a shard per rank is what sharding has to write)",

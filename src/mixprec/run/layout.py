@@ -14,6 +14,7 @@ import torch
 from mixprec import data as datasets
 from mixprec.core import hardware
 from mixprec.core.errors import ConfigError
+from mixprec.parallel import strategy
 from mixprec.precision import base as precision
 from mixprec.run.config import TrainConfig
 from mixprec.train import batch_size, loop
@@ -45,7 +46,7 @@ def resolve(c: TrainConfig, hw, device: torch.device, world: int, prec, probes) 
     layout = Layout(c.batch, c.accum, world)
     if c.batch == "auto":
         layout.batch, layout.max_batch, layout.why = auto_batch(c, hw, device, prec, probes)
-        if world > 1 and c.parallel.strategy == "fsdp":
+        if world > 1 and strategy.of(c.parallel).shards:
             log.warning(
                 "batch=auto probed FSDP2 over each rank alone (a probe that ran out of memory "
                 "inside a collective would leave the other ranks waiting): all of the state "

@@ -33,7 +33,7 @@ from mixprec.diagnostics import dtype_plan, memory
 from mixprec.diagnostics.doctor import Doctor
 from mixprec.diagnostics.numerics import Numerics
 from mixprec.optim import optimizers as optim
-from mixprec.parallel import distributed
+from mixprec.parallel import distributed, strategy
 from mixprec.report import plots as report_plots
 from mixprec.report import sweep
 from mixprec.run import build, messages, rundir, summary
@@ -104,7 +104,7 @@ def _run(cfg: DictConfig, journal: rundir.Journal) -> dict:
     if launch.multirun():  # what the sweeper compares must be measurable
         c.check_objective()
     hw = build.resolve_hardware(c)
-    dd = distributed.init(hw.device, c.parallel.strategy == "fsdp")  # torchrun / SLURM, or 1
+    dd = distributed.init(hw.device, strategy.of(c.parallel).group_of_one)  # torchrun/SLURM/1
     try:
         c.run_dir = distributed.broadcast_str(c.run_dir, dd)  # rank 0's Hydra run dir
         run_dir = Path(c.run_dir)
@@ -321,7 +321,7 @@ class Session:
         state.elapsed_s = self.wall_s  # a resumed run's wall_s counts the earlier parts too
         state.train_s = self.train_s
         c = self.p.config  # every rank is here: gathering or writing shards are collectives
-        by_name = c.parallel.strategy == "fsdp"  # its checkpoints fit any world
+        by_name = strategy.of(c.parallel).checkpoints_by_name  # they fit any world
         args = (self.resolved, c.ckpt.keep, by_name, c.ckpt.sharded)
         checkpoint.write(self.ckpt, self.p.learner, state, *args)
 
