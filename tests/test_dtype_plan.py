@@ -152,3 +152,14 @@ def test_a_promise_broken_in_each_part_is_named():
         "Linear compute",
     }
     assert wrong["Linear compute"] == ("bfloat16", "float32")  # float8: the precision's own
+
+
+def test_layers_kept_in_fp32_and_the_layers_inside_them_are_the_precisions_own(cfg_factory):
+    """precision.keep_fp32=[head]: the head's Linear computes in fp32 under fp16 autocast, as
+    promised; the plan labels it kept (it sits inside the kept module) and finds no mismatch."""
+    plan = plan_of(cfg_factory("precision=amp", "precision.keep_fp32=[head]", *STEPS))
+    assert plan["mismatches"] == []
+    assert plan["compute"]["Linear"] == {"float32 (kept)": 1}
+    assert plan["compute"]["Conv2d"] == {"float16": 2}
+    assert dtype_plan.label_of("a.b.c", {"a.b": "kept"}) == "kept"
+    assert dtype_plan.label_of("a.bc", {"a.b": "kept"}) is None

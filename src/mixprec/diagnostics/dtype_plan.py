@@ -145,6 +145,17 @@ class Watch:
         }
 
 
+def label_of(name: str, labels: dict[str, str]) -> str | None:
+    """The precision's label of a module: its own, or that of the module it sits in (a Linear
+    inside an attention block kept in fp32 computes in fp32 too)."""
+    while True:
+        if name in labels:
+            return labels[name]
+        if "." not in name:
+            return labels.get("") if name else None
+        name = name.rsplit(".", 1)[0]
+
+
 def computed(model: nn.Module, prec, x) -> tuple[dict, dict]:
     """({layer type: {dtype: count}}, {dtype of the weights inside the forward: count}) from an
     eager no-grad forward of `x` under the run's autocast, with hooks on each Linear, conv and
@@ -158,7 +169,7 @@ def computed(model: nn.Module, prec, x) -> tuple[dict, dict]:
             outs = [t for t in tensors(out) if t.is_floating_point()]
             if not outs:
                 return
-            dtype = labels.get(name) or str(outs[0].dtype).replace("torch.", "")
+            dtype = label_of(name, labels) or str(outs[0].dtype).replace("torch.", "")
             compute.setdefault(type(mod).__name__, Counter())[dtype] += 1
             w = getattr(mod, "weight", None)
             if isinstance(w, torch.Tensor):

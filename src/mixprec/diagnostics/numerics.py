@@ -125,11 +125,12 @@ def probe(learner, micro_batch: tuple, scale: float) -> list[dict]:
     from mixprec.models import unwrap
 
     model, prec = unwrap(learner.model), learner.precision
-    kept = set(prec.kept)
+    kept = set(prec.kept)  # (and what sits inside them: they compute in fp32)
     layers = {
         name: (mod, casts)
         for name, mod in model.named_modules()
-        if name not in kept and (casts := _casts(mod, prec.dtype)) is not None
+        if not any(name == k or name.startswith(k + ".") for k in kept)
+        and (casts := _casts(mod, prec.dtype)) is not None
     }
     rows: list[dict] = []
     outputs: dict[str, torch.Tensor] = {}
