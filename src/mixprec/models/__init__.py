@@ -4,38 +4,36 @@
 - `model=hf` (`model.hf.config`): a Hugging Face transformers model built from its config;
 - `model.name`: any timm model (timm.list_models()), mixprec's Llama and digits nets among them.
 
-build() gives every source the same treatment: made on its device, materialised by one forward
-on zeros (lazy layers, and a model that cannot take the data says so), its output checked
-against the data's task, then checkpointing, memory format and the Triton max-pool.
+Each source is an adapter (sources.py: check, create, label, the hint when the input does not
+fit); build() gives every source the same treatment after it: made on its device, materialised
+by one forward on zeros (lazy layers, and a model that cannot take the data says so), its output
+checked against the data's task, then checkpointing and memory format.
 
 May import: core.
 """
 
 from __future__ import annotations
 
-import difflib
 import logging
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-import timm
 import torch
 from omegaconf import MISSING
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from mixprec.core import (
-    targets,
-    tasks,  # llama: registers mixprec_llama with timm
-)
+from mixprec.core import tasks
 from mixprec.core.errors import ConfigError, check, one_of
-from mixprec.models import (
+from mixprec.models import (  # noqa: F401  (llama, zoo: register mixprec_llama, _digits_* with timm)
     llama,
-    zoo,  # noqa: F401  (registers mixprec_digits_cnn / _mlp with timm)
+    sources,
+    zoo,
 )
 from mixprec.models.parts import blocks_of, checkpoint_blocks, head_of, outermost, repeated_blocks
 
 __all__ = ["ModelConfig", "HFConfig", "build", "unwrap", "head_of", "blocks_of", "repeated_blocks"]
+check_name = sources.check_name  # (config validation and its tests name it here)
 log = logging.getLogger(__name__)
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks")
@@ -74,15 +72,7 @@ class ModelConfig:
     kwargs: Dict[str, Any] = MISSING  # extra arguments of the model's builder (timm or target)
 
     def __post_init__(self) -> None:
-        if self.target is not None:
-            targets.check_target("model.target", self.target)
-        elif self.hf.config is None:
-            if self.name is None:
-                raise ConfigError(
-                    "model: no model chosen; set model.target=package.module:callable (your "
-                    "own: model=own), model.hf.config (model=hf) or model.name (a timm model)"
-                )
-            check_name(self.name)
+        self.adapter.check(self)
         one_of("model.compile_mode", self.compile_mode, COMPILE_MODES)
         one_of("model.compile_scope", self.compile_scope, COMPILE_SCOPES)
         check(
@@ -108,27 +98,19 @@ class ModelConfig:
         return "target" if self.target else "hf" if self.hf.config else "timm"
 
     @property
+    def adapter(self):
+        """The source's adapter (models/sources.py): how the model is checked and made."""
+        return sources.SOURCES[self.source]
+
+    @property
     def label(self) -> str:
         """The model as runs are labelled (summary.json, W&B tags, the report)."""
-        return {"target": self.target, "hf": f"hf:{self.hf.config}", "timm": self.name}[self.source]
+        return self.adapter.label(self)
 
     @property
     def key(self) -> str:
         """The config key that chose the model, for messages."""
-        return {"target": "model.target", "hf": "model.hf.config", "timm": "model.name"}[
-            self.source
-        ]
-
-
-def check_name(name: str) -> None:
-    if not timm.is_model(name):
-        close = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.6)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ConfigError(
-            f"model.name={name!r} is not a timm model{hint} "
-            "(allowed: any name in timm.list_models(), e.g. resnet50, "
-            "convnext_tiny, vit_small_patch16_224, mixprec_digits_cnn)"
-        )
+        return self.adapter.key
 
 
 def build(
@@ -174,38 +156,8 @@ def build(
 
 
 def _create(mcfg: ModelConfig, num_classes: int, input_shape, task) -> nn.Module:
-    """The model from its source, before anything mixprec does to it."""
-    lm = task.name == "lm"
-    if mcfg.source == "hf":
-        from mixprec.models import hf
-
-        return hf.build(mcfg.hf.config, dict(mcfg.hf.overrides), task, num_classes, input_shape)
-    if mcfg.source == "target":
-        facts = {"num_classes": num_classes}
-        facts.update(
-            {"vocab_size": num_classes, "max_seq_len": input_shape[0]}
-            if lm
-            else {"in_chans": input_shape[0], "input_shape": tuple(input_shape)}
-        )
-        fn = targets.load("model.target", mcfg.target, mcfg.path)
-        model = targets.call("model.target", mcfg.target, fn, dict(mcfg.kwargs), facts)
-        if not isinstance(model, nn.Module):
-            raise ConfigError(
-                f"model.target={mcfg.target!r} returned {type(model).__name__}, not a "
-                "torch.nn.Module"
-            )
-        return model
-    check_fits(mcfg.name, task)
-    shaped = {"max_seq_len": input_shape[0]} if lm else {"in_chans": input_shape[0]}
-    try:
-        return timm.create_model(
-            mcfg.name, pretrained=False, num_classes=num_classes, **shaped, **mcfg.kwargs
-        )
-    except (TypeError, ValueError) as e:  # e.g. a model.kwargs key this model does not take
-        raise ConfigError(
-            f"model.name={mcfg.name!r} with model.kwargs={dict(mcfg.kwargs)}: "
-            f"{str(e).splitlines()[0][:200]}"
-        ) from None
+    """The model from its source's adapter, before anything mixprec does to it."""
+    return mcfg.adapter.create(mcfg, num_classes, input_shape, task)
 
 
 def _check_output(out, mcfg: ModelConfig, task, num_classes: int, input_shape) -> None:
@@ -237,21 +189,6 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def check_fits(name: str, task) -> None:
-    """A language model needs token data, an image model images."""
-    lm = name in llama.LM_MODELS
-    if lm != (task.name == "lm"):
-        raise ConfigError(
-            f"model.name={name!r} is "
-            + (
-                "a language model and this data is images; use data=text or data=tokens"
-                if lm
-                else "an image model and this data is token sequences; use a language model "
-                "(model=llama_tiny, llama_1b, llama_8b_slice)"
-            )
-        )
-
-
 def _materialise(model: nn.Module, mcfg: ModelConfig, zeros: torch.Tensor):
     """One forward on zeros: lazy layers get their shapes before the optimizer sees the
     parameters, and a model that cannot take the data's input says so before any training.
@@ -262,12 +199,7 @@ def _materialise(model: nn.Module, mcfg: ModelConfig, zeros: torch.Tensor):
             out = model.eval()(zeros)
     except (RuntimeError, AssertionError, ValueError, TypeError, IndexError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        hint = (
-            "pick a model for that input size (e.g. model=digits_cnn for data=digits; "
-            "vit/convnext models want ImageNet-sized images such as data=synthetic)"
-            if mcfg.source == "timm"
-            else "the model's forward must take the data's batches as they are"
-        )
+        hint = mcfg.adapter.input_hint
         raise ConfigError(
             f"{mcfg.key}={mcfg.label!r} cannot take this data's input of shape "
             f"{tuple(input_shape)} ({first}); {hint}"
