@@ -70,8 +70,12 @@ class Watch:
     """Arms the first optimizer step's hooks at construction; after that step, plan() reads
     the rest and checks the promise. Off (mode 'off'): no hook, nothing read."""
 
-    def __init__(self, learner=None, promise: Promise | None = None, mode: str = "off") -> None:
-        self.learner, self.promise, self.mode = learner, promise, mode
+    def __init__(
+        self, learner=None, promise: Promise | None = None, mode: str = "off", rerun: bool = True
+    ) -> None:
+        """`rerun`: false where the forward cannot be re-run eagerly (CUDA graphs replay a
+        captured one): the compute dtypes are then not read, the rest is."""
+        self.learner, self.promise, self.mode, self.rerun = learner, promise, mode, rerun
         self.groups: list[dict] = []
         self.state: dict[str, int] = {}
         self.state_elements: dict[str, int] = {}  # optimizer state elements per device type
@@ -131,7 +135,9 @@ class Watch:
         from mixprec.models import unwrap
 
         model = unwrap(self.learner.model)
-        compute, forward_weights = computed(model, self.learner.precision, micro_batch[0])
+        compute, forward_weights = (
+            computed(model, self.learner.precision, micro_batch[0]) if self.rerun else ({}, {})
+        )
         host = getattr(self.learner.optimizer, "param_d2h_map", None) or {}
         return {
             "groups": self.groups,

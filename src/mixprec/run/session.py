@@ -307,7 +307,12 @@ class Session:
             numerics=Numerics(p.learner, p.run_dir, rerun=not c.model.cuda_graphs)
             if c.debug.numerics and p.dist.main
             else Numerics(),
-            dtype_plan=dtype_plan.Watch(p.learner, build.dtype_promise(c, p), c.debug.dtype_plan),
+            dtype_plan=dtype_plan.Watch(
+                p.learner,
+                build.dtype_promise(c, p),
+                c.debug.dtype_plan,
+                rerun=not c.model.cuda_graphs,  # a captured forward is not re-run
+            ),
         )
 
     def _write_plan(self) -> None:
