@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import timm
 import torch
 from torch import nn
 
@@ -207,9 +208,9 @@ def _grads(model, x, y):
 def test_grad_checkpointing_keeps_the_gradients(name):
     torch.manual_seed(0)
     x, y = torch.randn(4, 1, 16, 16), torch.randint(0, 10, (4,))
-    plain = models.timm.create_model(name, num_classes=10, in_chans=1)
+    plain = timm.create_model(name, num_classes=10, in_chans=1)
     plain(x)
-    ckpt = models.timm.create_model(name, num_classes=10, in_chans=1)
+    ckpt = timm.create_model(name, num_classes=10, in_chans=1)
     ckpt(x)
     ckpt.load_state_dict(plain.state_dict())
     ckpt = models.enable_grad_checkpointing(ckpt, name)

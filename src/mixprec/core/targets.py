@@ -39,6 +39,20 @@ def add_path(folder: str | None) -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([path, *filter(None, parts)])
 
 
+def plugin(key: str, path: str, attrs: tuple[str, ...], kind: str, what: str, hint: str):
+    """The module `path` names as a plugin (precision.plugin, logger.sinks.<name>), with the
+    attributes its kind must define; a ConfigError naming `key` where it is not one."""
+    try:
+        module = importlib.import_module(path)
+    except ImportError as e:
+        raise ConfigError(
+            f"{key}={path!r} cannot be imported ({e}); it must be a module with {what}{hint}"
+        ) from None
+    if not all(hasattr(module, a) for a in attrs):
+        raise ConfigError(f"{key}={path!r} is not a {kind} plugin: it must define {what}")
+    return module
+
+
 def load(key: str, target: str, folder: str | None) -> Callable:
     """The callable `target` names; a ConfigError naming `key` where it cannot be had."""
     check_target(key, target)

@@ -29,7 +29,6 @@ enabled=False), so the training step never branches on precision.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from omegaconf import MISSING
 from torch import nn
 from torch.amp import GradScaler
 
-from mixprec.core import schema
+from mixprec.core import schema, targets
 from mixprec.core.errors import ConfigError, check
 
 log = logging.getLogger(__name__)
@@ -275,20 +274,14 @@ Plugin = Precision
 
 def plugin_module(path: str) -> ModuleType:
     """The module that implements a precision (`precision.plugin`), checked."""
-    try:
-        module = importlib.import_module(path)
-    except ImportError as e:
-        raise ConfigError(
-            f"precision.plugin={path!r} cannot be imported ({e}); it must be a "
-            "module with a Config and a Plugin, e.g. mixprec.precision.base or "
-            "mixprec.precision.fp8"
-        ) from None
-    if not (hasattr(module, "Config") and hasattr(module, "Plugin")):
-        raise ConfigError(
-            f"precision.plugin={path!r} is not a precision plugin: it must define "
-            "Config (a PrecisionConfig) and Plugin (a Precision)"
-        )
-    return module
+    return targets.plugin(
+        "precision.plugin",
+        path,
+        ("Config", "Plugin"),
+        "precision",
+        "Config (a PrecisionConfig) and Plugin (a Precision)",
+        ", e.g. mixprec.precision.base or mixprec.precision.fp8",
+    )
 
 
 def parse(node: dict) -> PrecisionConfig:

@@ -291,14 +291,18 @@ def dtype_promise(c: TrainConfig, p: Parts) -> dtype_plan.Promise:
     )
 
 
-def audit_inputs(c: TrainConfig) -> tuple[torch.nn.Module, torch.Tensor, precision.Precision]:
-    """(model, example batch, precision) for `python -m mixprec.diagnose` (no data, no training)."""
+def _standalone(c: TrainConfig) -> tuple:
+    """(device, precision, (classes, input shape, task)) for a command that builds the model
+    without data or training (diagnose, fp8_plan), set up as a run would be."""
     hw = resolve_hardware(c)
     device = hardware.setup(hw)
     process.apply(process_settings(c, hw), device)
-    prec = new_precision(c, device)
-    num_classes, shape = datasets.spec(c.data)
-    task = datasets.task(c.data)
+    return device, new_precision(c, device), (*datasets.spec(c.data), datasets.task(c.data))
+
+
+def audit_inputs(c: TrainConfig) -> tuple[torch.nn.Module, torch.Tensor, precision.Precision]:
+    """(model, example batch, precision) for `python -m mixprec.diagnose` (no data, no training)."""
+    device, prec, (num_classes, shape, task) = _standalone(c)
     prec.prepare(precision.Context(compiled=c.model.compile))
     model = prec.convert(models.build(c.model, num_classes, shape, device, task))
     prec.kept = fp32_layers.keep(model, c.precision.keep_fp32, device.type, set(prec.owned()))
@@ -310,12 +314,7 @@ def planned_precision(c: TrainConfig) -> precision.Precision:
     micro-batch (`batch`), on the run's device, as training would (no data, no training)."""
     if c.batch == "auto":
         raise ConfigError("batch=auto: the plan is per micro-batch shape; give batch=N")
-    hw = resolve_hardware(c)
-    device = hardware.setup(hw)
-    process.apply(process_settings(c, hw), device)
-    prec = new_precision(c, device)
-    num_classes, shape = datasets.spec(c.data)
-    task = datasets.task(c.data)
+    device, prec, (num_classes, shape, task) = _standalone(c)
     x = lambda: example(c, shape, device, c.batch, num_classes, task)  # noqa: E731
     prec.prepare(precision.Context(example=x, compiled=c.model.compile))
     prec.convert(models.build(c.model, num_classes, shape, device, task))

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from mixprec.core import targets
 from mixprec.core.errors import ConfigError, nearest
 from mixprec.core.schema import structured
 from mixprec.sinks.tracking import dropped
@@ -67,19 +68,14 @@ def _module(name: str) -> ModuleType:
 
 def _plugin(name: str, path: str) -> ModuleType:
     """A sink of the user's: `logger.sinks.<name>: <module path>`, checked."""
-    try:
-        module = importlib.import_module(path)
-    except ImportError as e:
-        raise ConfigError(
-            f"logger.sinks.{name}={path!r} cannot be imported ({e}); it must be a module with "
-            "a Config and a Sink (true instead of a path: one of mixprec's own loggers)"
-        ) from None
-    if not (hasattr(module, "Config") and hasattr(module, "Sink")):
-        raise ConfigError(
-            f"logger.sinks.{name}={path!r} is not a logger plugin: it must define Config (a "
-            "dataclass of its keys) and Sink (log, table, histograms, summary, close, label)"
-        )
-    return module
+    return targets.plugin(
+        f"logger.sinks.{name}",
+        path,
+        ("Config", "Sink"),
+        "logger",
+        "Config (a dataclass of its keys) and Sink (log, table, histograms, summary, close, label)",
+        " (true instead of a path: one of mixprec's own loggers)",
+    )
 
 
 def run_files() -> tuple[str, ...]:
