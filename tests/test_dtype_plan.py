@@ -163,3 +163,25 @@ def test_layers_kept_in_fp32_and_the_layers_inside_them_are_the_precisions_own(c
     assert plan["compute"]["Conv2d"] == {"float16": 2}
     assert dtype_plan.label_of("a.b.c", {"a.b": "kept"}) == "kept"
     assert dtype_plan.label_of("a.bc", {"a.b": "kept"}) is None
+
+
+def test_the_plan_as_a_table_has_one_type_per_column_as_wandb_needs():
+    """W&B's tables refuse a column of mixed types (a TypeError would drop the W&B sink): the
+    FSDP2 plan's configured-reduce row has no count, not a string one."""
+    wandb = pytest.importorskip("wandb")
+    plan = {
+        "groups": [{"group": 0, "weights": {"float32 on cuda": 3}, "gradients": {}}],
+        "optimizer_state": {"float32 on cuda": 6},
+        "master_copy": {},
+        "forward_weights": {"bfloat16": 3},
+        "compute": {"Linear": {"bfloat16": 3}},
+        "promise": {"reduce": "float32"},
+    }
+    table = dtype_plan.rows(plan)
+    assert table[-1] == {
+        "what": "gradients reduced in (as configured)",
+        "dtype": "float32",
+        "count": None,
+    }
+    wandb.Table(columns=list(table[0]), data=[list(r.values()) for r in table])  # no TypeError
+    assert "| gradients reduced in (as configured) | float32 | - |" in dtype_plan.markdown(plan)

@@ -243,14 +243,15 @@ def mismatches(plan: dict, promise: Promise) -> list[dict]:
 
 
 def rows(plan: dict) -> list[dict]:
-    """The plan as rows {what, dtype, count} (a table for the loggers)."""
+    """The plan as rows {what, dtype, count} (a table for the loggers: one type per column,
+    as W&B's tables need; a count that does not apply is None)."""
     return [{"what": w, "dtype": k, "count": n} for w, k, n in _rows(plan)]
 
 
 def markdown(plan: dict) -> str:
     """The plan as a table: what, dtype on device, how many tensors (or layers)."""
     lines = ["| what | dtype | tensors / layers |", "|---|---|---|"]
-    lines += [f"| {w} | {k} | {n} |" for w, k, n in _rows(plan)]
+    lines += [f"| {w} | {k} | {'-' if n is None else n} |" for w, k, n in _rows(plan)]
     for m in plan.get("mismatches") or []:
         lines.append(f"| **promised** {m['what']} | {m['promised']}, found {m['found']} | |")
     return "\n".join(lines)
@@ -268,5 +269,5 @@ def _rows(plan: dict) -> list[tuple]:
         rows += [(f"{kind} computes in", k, n) for k, n in counts.items()]
     promise = plan.get("promise") or {}
     if promise.get("reduce"):
-        rows.append(("gradients reduced in (as configured)", promise["reduce"], "-"))
+        rows.append(("gradients reduced in (as configured)", promise["reduce"], None))
     return rows
