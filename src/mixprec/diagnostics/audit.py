@@ -23,8 +23,10 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from mixprec.diagnostics.replay import MATMULS
+
 log = logging.getLogger("mixprec")
-_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+_LAYERS = MATMULS
 
 
 def _module_flops(model: nn.Module, run_forward) -> dict[str, int]:

@@ -21,10 +21,9 @@ import torch
 from torch import nn
 
 from mixprec.core.errors import DtypeMismatch
-from mixprec.diagnostics.replay import tensors, untouched
+from mixprec.diagnostics.replay import MATMULS, tensors, untouched
 
 log = logging.getLogger(__name__)
-_MATMULS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 MODES = ("check", "log", "off")  # debug.dtype_plan
 
@@ -186,7 +185,7 @@ def computed(model: nn.Module, prec, x) -> tuple[dict, dict]:
     handles = [
         m.register_forward_hook(hook_for(n))
         for n, m in model.named_modules()
-        if isinstance(m, _MATMULS + _NORMS)
+        if isinstance(m, MATMULS + _NORMS)
     ]
     try:
         with untouched(model, training=False), torch.no_grad(), prec.autocast():
@@ -236,7 +235,7 @@ def mismatches(plan: dict, promise: Promise) -> list[dict]:
         differ("weights in the forward", promise.forward_weights, _dtypes(plan["forward_weights"]))
     labels = set(plan.get("labels") or ())  # what the precision converted or kept: its own
     for kind, counts in plan["compute"].items():
-        if kind in {t.__name__ for t in _MATMULS} or "Float8" in kind:
+        if kind in {t.__name__ for t in MATMULS} or "Float8" in kind:
             found = {d for d in counts if d not in labels}
             differ(f"{kind} compute", promise.compute, found)
     return out

@@ -29,11 +29,12 @@ import logging
 import torch
 from torch import nn
 
+from mixprec.diagnostics.replay import MATMULS
+
 log = logging.getLogger(__name__)
 GIB = 1024**3
 PARTS = ("weights", "optimizer_state", "inputs_and_buffers", "activations", "autocast_copies")
 PARTS += ("gradients", "temporaries")
-_CAST = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def tensor_bytes(tensors, device_type: str) -> int:
@@ -71,7 +72,7 @@ def autocast_copies(model: nn.Module, dtype: torch.dtype | None) -> int:
     n = sum(
         p.numel()
         for m in model.modules()
-        if isinstance(m, _CAST)
+        if isinstance(m, MATMULS)
         for p in m.parameters(recurse=False)
         if p.dtype == torch.float32 and p.requires_grad
     )

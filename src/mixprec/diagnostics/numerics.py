@@ -30,10 +30,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mixprec.diagnostics.replay import untouched
+from mixprec.diagnostics.replay import MATMULS, untouched
 
 log = logging.getLogger(__name__)
-_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 FIELDS = ("layer", "type", "format", "tensor", "amax", "underflow", "subnormal", "saturated")
 FIELDS += ("sqnr_db",)
 
@@ -108,7 +107,7 @@ def _casts(mod: nn.Module, autocast: torch.dtype | None) -> dict | None:
             "weight": how(config.cast_config_weight),
             "grad_output": how(config.cast_config_grad_output),
         }
-    if autocast is None or not isinstance(mod, _LAYERS):
+    if autocast is None or not isinstance(mod, MATMULS):
         return None
     return dict.fromkeys(("input", "weight", "grad_output"), (autocast, False, False))
 
@@ -251,8 +250,8 @@ class Numerics:
 
 
 def read(run_dir: Path) -> list[dict]:
-    """numerics.jsonl's rows (empty when the run did not measure them)."""
+    """numerics.jsonl's rows (empty when the run did not measure them; a torn line skipped)."""
+    from mixprec.sinks.local import read_jsonl
+
     path = Path(run_dir) / "numerics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path) if path.exists() else []

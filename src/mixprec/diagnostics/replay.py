@@ -11,6 +11,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+MATMULS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # the layers a low precision's matmul is
+
 
 def tensors(obj) -> list[torch.Tensor]:
     """The tensors in a module's inputs or outputs (nested tuples, lists, dicts)."""

@@ -23,7 +23,7 @@ from torch import nn
 
 from mixprec.core import targets
 from mixprec.core.errors import ConfigError
-from mixprec.models import llama
+from mixprec.models.llama import LM_MODELS
 
 
 class Target:
@@ -68,9 +68,9 @@ class HuggingFace:
         pass  # transformers reads the config when the model is built
 
     def create(self, mcfg, num_classes: int, input_shape, task) -> nn.Module:
-        from mixprec.models import hf
+        from mixprec.models.hf import build
 
-        return hf.build(mcfg.hf.config, dict(mcfg.hf.overrides), task, num_classes, input_shape)
+        return build(mcfg.hf.config, dict(mcfg.hf.overrides), task, num_classes, input_shape)
 
 
 class Timm:
@@ -124,7 +124,7 @@ def check_name(name: str) -> None:
 
 def check_fits(name: str, task) -> None:
     """A language model needs token data, an image model images."""
-    lm = name in llama.LM_MODELS
+    lm = name in LM_MODELS
     if lm != (task.name == "lm"):
         raise ConfigError(
             f"model.name={name!r} is "

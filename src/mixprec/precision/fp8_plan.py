@@ -32,6 +32,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from mixprec.core import files
+from mixprec.core.errors import MixprecError
+
 log = logging.getLogger(__name__)
 BF16 = "bf16"
 
@@ -181,10 +184,8 @@ class TimingCache:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.data, indent=0, sort_keys=True))
-            tmp.replace(self.path)
-        except OSError as e:
+            files.write_json(self.path, dict(sorted(self.data.items())))
+        except (OSError, MixprecError) as e:  # (a full disk or a read-only cache: DiskFull, ...)
             log.warning("fp8 plan: the timings could not be cached in %s (%s)", self.path, e)
 
 

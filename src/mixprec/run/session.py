@@ -316,7 +316,7 @@ class Session:
         )
 
     def _write_plan(self) -> None:
-        """The precision's plan (fp8_auto's per-layer choices) beside the checkpoints: a
+        """The precision's plan (fp8_auto's per-layer choices) in the run dir: a
         resume from this run dir keeps it (build.saved_plan)."""
         plan = self.p.learner.precision.plan()
         if plan is not None and self.p.dist.main:
