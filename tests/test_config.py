@@ -136,6 +136,8 @@ def test_scaler_presets_follow_the_seeds():
         ("data.val_fraction=0.001", "data.val_fraction"),
         ("data.data_seed=-1", "data.data_seed"),
         ("logger.timeout_s=null", "logger"),
+        ("study.smooth=spline", "study.smooth"),
+        ("study.fit_from=0", "study.fit_from"),
     ],
 )
 def test_bad_values_name_the_key(override, key):

@@ -7,6 +7,7 @@ report_memory.png (each peak as a stacked bar of its parts)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from mixprec.sinks.local import number as _num
@@ -172,7 +173,8 @@ def loss_scale_plot(run_dir: Path) -> Path | None:
 def study_plot(result: dict, path: Path) -> Path:
     """The time-to-quality study (study.py): val loss against training seconds and against
     steps, the mean of each precision over its seeds with their range as a band, the target as
-    a dashed line; and each precision's seconds to the target with its interval."""
+    a dashed line, each seed's fitted curve dotted (smooth=power); and each precision's seconds
+    to the target with its interval."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,7 +197,23 @@ def study_plot(result: dict, path: Path) -> Path:
         ):
             ax.plot(xs, mean, color=colour, label=f"{precision} ({len(curves)} seeds)")
             ax.fill_between(xs, lo, hi, color=colour, alpha=0.2, linewidth=0)
+    for s in result["seeds"]:  # smooth=power: each seed's fitted curve, over its window
+        if s.fit:
+            xs = [s.fit["first"] + i * (s.fit["last"] - s.fit["first"]) / 50 for i in range(51)]
+            ys = [s.fit["a"] + s.fit["b"] * (x / s.fit["s0"]) ** -s.fit["c"] for x in xs]
+            colour = COLOURS.get(s.precision, "tab:olive")
+            axes[1].plot(xs, ys, color=colour, linewidth=0.7, linestyle=":")
+    # the range past warm-up's transient (the first tenth of the steps), where the target lies
+    late = [
+        p.loss
+        for s in result["seeds"]
+        for p in s.curve
+        if not s.diverged and p.step >= 0.1 * s.curve[-1].step and math.isfinite(p.loss)
+    ]
     for ax, xlabel in ((axes[0], "training seconds"), (axes[1], "optimizer steps")):
+        if late and max(late) > min(late):
+            pad = 0.08 * (max(late) - min(late))
+            ax.set_ylim(min(late) - pad, max(late) + pad)
         ax.axhline(result["target"], color="black", linestyle="--", linewidth=1, label="target")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("val loss")

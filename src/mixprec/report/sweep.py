@@ -73,6 +73,8 @@ class ReportCallback(Callback):
                     study_cfg["reference"],
                     study_cfg.get("target"),
                     study_cfg.get("budget"),
+                    study_cfg.get("smooth") or "power",
+                    study_cfg.get("fit_from"),
                 )
             except Exception as e:  # never turn a finished sweep into a failure
                 log.warning("study for %s failed: %s", sweep_dir, e)
