@@ -71,6 +71,24 @@ def test_grouped_query_attention_equals_repeated_kv_heads():
     torch.testing.assert_close(ours, plain)
 
 
+def test_repeated_kv_heads_give_enable_gqas_values_and_gradients():
+    """attend(expand=True) (what fp32 on a GPU takes, for the memory-efficient kernel) is
+    enable_gqa's attention: the same outputs and the same gradients of q, k and v."""
+    torch.manual_seed(0)
+    leaves = [torch.randn(2, h, 16, 8, requires_grad=True) for h in (8, 2, 2)]
+    outs, grads = [], []
+    for expand in (False, True):
+        q, k, v = (x.detach().clone().requires_grad_() for x in leaves)
+        out = llama.attend(q, k, v, expand=expand)
+        out.square().sum().backward()
+        outs.append(out)
+        grads.append((q.grad, k.grad, v.grad))
+    torch.testing.assert_close(outs[0], outs[1])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+    assert grads[1][1].shape == (2, 2, 16, 8)  # the gradient comes back to the 2 kv heads
+
+
 def test_the_stated_flop_count_is_6n_plus_attention():
     """flops_per_token = 6 N (what torch's counter counts for the matmuls of a real training
     step: it does not count the CPU's attention kernel) + 12 L d T for attention."""

@@ -57,9 +57,22 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        gqa = self.n_kv_heads != self.n_heads
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        out = attend(q, k, v, expand=q.is_cuda and q.dtype == torch.float32)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, expand: bool) -> torch.Tensor:
+    """Causal attention with fewer key/value heads than query heads (GQA). `expand`: repeat
+    the key/value heads instead of SDPA's enable_gqa. On a GPU in fp32 (precision=fp32, tf32)
+    enable_gqa leaves SDPA only its math kernel (flash takes no fp32, memory-efficient no GQA),
+    which keeps the T x T attention matrix of every head for the backward: on Llama-3-8B's
+    layers at 4,096 tokens, 3.9x bf16's activations instead of 2x (docs/memory.md). Repeated
+    heads go to the memory-efficient kernel. bf16 and fp16 keep enable_gqa (flash)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and expand:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    gqa = k.shape[1] != q.shape[1]  # (repeated heads: equal, and no enable_gqa to refuse)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
 class FeedForward(nn.Module):
