@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from mixprec.core.errors import MixprecError
 from mixprec.precision import base as precision
 from mixprec.precision import fp8_plan
 from mixprec.precision.fp8_plan import BF16, Gemm, choose
@@ -47,7 +48,7 @@ class Net(nn.Module):
 def fake_timer(calls: list):
     """µs that favour float8 for K*N >= 64*256 (tensorwise most), bf16 for smaller layers."""
 
-    def timer(g: Gemm, recipe: str) -> float:
+    def one(g: Gemm, recipe: str) -> float:
         calls.append((g, recipe))
         big = g.k * g.n >= 64 * 256
         return {
@@ -56,7 +57,7 @@ def fake_timer(calls: list):
             "rowwise": 70.0 if big else 140.0,
         }[recipe]
 
-    return timer
+    return lambda todo: [one(g, recipe) for g, recipe in todo]
 
 
 def test_shapes_come_from_a_forward_and_the_cache_spares_a_second_measurement(tmp_path):
@@ -125,7 +126,7 @@ def auto_plugin(**keys):
 def test_the_plan_converts_each_layer_to_its_recipe_and_a_resume_keeps_it(monkeypatch):
     calls: list = []
     monkeypatch.setattr(
-        fp8_plan, "time_gemm", lambda g, r, compiled, device: fake_timer(calls)(g, r)
+        fp8_plan, "time_in_child", lambda todo, compiled, device: fake_timer(calls)(todo)
     )
     prec = auto_plugin()
     prec.prepare(precision.Context(example=lambda: torch.randn(4, 64)))
@@ -158,11 +159,20 @@ def test_the_plan_converts_each_layer_to_its_recipe_and_a_resume_keeps_it(monkey
 def test_without_a_micro_batch_every_eligible_layer_is_float8(monkeypatch):
     """batch=auto's probes and the dtype audit give no micro-batch: nothing is timed, and every
     eligible layer takes fp8_recipe (the upper bound of float8's share)."""
-    monkeypatch.setattr(fp8_plan, "time_gemm", lambda *a: pytest.fail("timed without a batch"))
+    monkeypatch.setattr(fp8_plan, "time_in_child", lambda *a: pytest.fail("timed without a batch"))
     prec = auto_plugin()
     prec.prepare(precision.Context())
     prec.convert(Net())
     assert prec.converted == ["wide1", "wide2", "narrow"] and prec.plan() is None
+
+
+def test_a_timing_that_fails_in_its_child_process_is_an_error_and_the_parent_goes_on():
+    """The timings run in a child process (what they leave allocated leaves with it); one that
+    fails there (here: no GPU to time on) is a MixprecError in the training process, which is
+    itself unharmed."""
+    with pytest.raises(MixprecError, match="timing the layers failed in its child process"):
+        fp8_plan.time_in_child([(Gemm(16, 64, 256, True), BF16)], True, torch.device("cpu"))
+    assert torch.ones(2).sum().item() == 2.0
 
 
 def test_a_run_dir_plan_is_found_for_a_resume(tmp_path):

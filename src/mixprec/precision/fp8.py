@@ -8,7 +8,6 @@ place in mixprec that knows about float8 (conf/precision/fp8.yaml names it as it
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -158,16 +157,12 @@ class Plugin(Precision):
             gemms,
             list(cfg.fp8_candidates),
             cfg.fp8_margin,
-            timer=lambda g, r: fp8_plan.time_gemm(g, r, ctx.compiled, device),
+            timer=lambda todo: fp8_plan.time_in_child(todo, ctx.compiled, device),
             key=lambda g, r: fp8_plan.cache_key(g, r, ctx.compiled, device),
             cache=cache,
         )
         self.plan_s = time.perf_counter() - started
         self.timed = len(cache.data) - known
-        if self.timed:  # the timing layers, their compiled code and their blocks: gone
-            torch.compiler.reset()  # (the run compiles its model after this conversion)
-            gc.collect()
-            torch.cuda.empty_cache()
         log.info(
             "precision.fp8_layers=auto: the plan, measured in %.1fs on this GPU (per "
             "forward+backward of one micro-batch):\n%s",

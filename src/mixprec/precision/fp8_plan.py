@@ -10,10 +10,11 @@ model decide), bf16 otherwise. The
 timings are cached per (GPU, torch, torchao, shape, recipe, compiled) in one JSON file, so a
 second start with the same shapes measures nothing.
 
-Known defect (measured on an H200, 2026-12-02): each timing leaves 65-130 MiB allocated that
-neither torch.compiler.reset(), the graph's reset nor gc frees (benchmarks/fp8_plan_leak.py
-shows it), so a cold-cache fp8_auto run peaks 0.8-1.1 GiB above bf16 with the same layers; a
-run whose timings are cached (every later start) measures nothing and pays nothing.
+The timings run in a child process on the same GPU (time_in_child): each timing leaves 65-130
+MiB allocated that neither torch.compiler.reset(), the graph's reset nor gc frees in-process
+(benchmarks/fp8_plan_leak.py shows it; measured on an H200, 2026-12-02), and a cold-cache
+fp8_auto run planned in-process peaked 0.8-1.1 GiB above bf16; in a child, that memory leaves
+with it. A run whose timings are cached (every later start) starts no child.
 
 What it does not see: whole-model fusion (a cast fused into the norm before it), FSDP2's float8
 all-gather, and the GPU's clocks under a whole model's load; the plan is checked end to end by
@@ -25,6 +26,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -205,26 +209,71 @@ def measure(
     gemms: dict,
     candidates: list[str],
     margin: float,
-    timer: Callable[[Gemm, str], float],
+    timer: Callable[[list[tuple[Gemm, str]]], list[float]],
     key: Callable[[Gemm, str], str],
     cache: TimingCache,
 ) -> dict[str, Choice]:
-    """The plan: each layer's timings (from the cache, or `timer`) and its choice."""
-    timed: dict[str, float] = {}
+    """The plan: each layer's timings (from the cache, or `timer`, given every (shape,
+    recipe) the cache lacks at once) and its choice."""
+    todo: dict[str, tuple[Gemm, str]] = {}
+    for gemm, _ in gemms.values():
+        for recipe in (BF16, *candidates):
+            if key(gemm, recipe) not in cache.data:
+                todo.setdefault(key(gemm, recipe), (gemm, recipe))
+    if todo:
+        cache.data.update(zip(todo, timer(list(todo.values()))))
+        cache.save()
     plan = {}
     for name, (gemm, calls) in gemms.items():
-        us = {}
-        for recipe in (BF16, *candidates):
-            k = key(gemm, recipe)
-            if k not in cache.data:
-                cache.data[k] = timer(gemm, recipe)
-                timed[k] = cache.data[k]
-            us[recipe] = cache.data[k]
+        us = {recipe: cache.data[key(gemm, recipe)] for recipe in (BF16, *candidates)}
         pick = choose(us, candidates, margin)
         plan[name] = Choice(gemm, calls, us, pick, (us[BF16] - us[pick]) * calls)
-    if timed:
-        cache.save()
     return plan
+
+
+def time_in_child(todo: list[tuple[Gemm, str]], compiled: bool, device: torch.device) -> list:
+    """time_gemm of each (shape, recipe), in a child process on the same GPU: what the timings
+    leave allocated (65-130 MiB a timing that neither compiler.reset(), the CUDA graph's reset
+    nor gc freed in the training process, measured on an H200) leaves with the child. The
+    child's progress goes to stderr; its answer is the last line of its stdout."""
+    payload = {
+        "compiled": compiled,
+        "device": str(device),
+        "todo": [[[g.m, g.k, g.n, g.bias], recipe] for g, recipe in todo],
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "mixprec.precision.fp8_plan"],
+        input=json.dumps(payload),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode or not lines:
+        raise MixprecError(
+            f"precision.fp8_layers=auto: timing the layers failed in its child process "
+            f"(exit {proc.returncode}; its error is above)"
+        )
+    return json.loads(lines[-1])["us"]
+
+
+def _child() -> None:
+    """`python -m mixprec.precision.fp8_plan` < {compiled, device, todo}: time each, print
+    {"us": [...]} (time_in_child's other end)."""
+    job = json.loads(sys.stdin.read())
+    device = torch.device(job["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    out = []
+    for i, ((m, k, n, bias), recipe) in enumerate(job["todo"]):
+        started = time.perf_counter()
+        out.append(time_gemm(Gemm(m, k, n, bias), recipe, job["compiled"], device))
+        print(
+            f"fp8 plan: {i + 1}/{len(job['todo'])} {m}x{k}x{n} {recipe}: {out[-1]:.1f} us "
+            f"({time.perf_counter() - started:.1f}s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    print(json.dumps({"us": out}), flush=True)
 
 
 def table(plan: dict[str, Choice], candidates: list[str]) -> str:
@@ -250,3 +299,7 @@ def table(plan: dict[str, Choice], candidates: list[str]) -> str:
         f"micro-batch of these layers' {base / 1000:.2f} ms in bf16 ({share:.1f}%)"
     )
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    _child()
