@@ -15,6 +15,13 @@ sequential ~10 minutes (`--serial` runs them one after another).
 
     python3 benchmarks/fits_24gb.py --out fits.json
 
+`--breakdown` instead shows what each technique removes (issue 42): every technique, and its
+baseline, at one depth (6 layers) with `debug.memory=true`, the peak of step 3 in its parts
+(weights, optimizer state, activations, autocast's copies, gradients, temporaries; the allocator's
+reserve beside it), side by side with the parts' change against the baseline:
+
+    python3 benchmarks/fits_24gb.py --breakdown --out breakdown.json
+
 Measured rows: benchmarks/RESULTS.md ("What fits on a 24 GB card").
 """
 
@@ -65,6 +72,23 @@ TECHNIQUES = {
         "optimizer.offload=cpu",
     ],
 }
+# --breakdown: (technique, its baseline, overrides), each at BREAKDOWN_LAYERS layers
+BREAKDOWN = [
+    ("fp32", None, ["precision=fp32"]),
+    ("amp", "fp32", ["precision=amp"]),
+    ("bf16", "fp32", ["precision=bf16"]),
+    ("amp + checkpointing", "amp", ["precision=amp", "model.grad_checkpointing=true"]),
+    ("amp + 8-bit states", "amp", ["precision=amp", "optimizer.state=8bit"]),
+    ("amp + 4-bit states", "amp", ["precision=amp", "optimizer.state=4bit"]),
+    ("amp + fp8 states", "amp", ["precision=amp", "optimizer.state=fp8"]),
+    ("bf16 + bf16 weights and states", "bf16", ["precision=bf16", "optimizer.state=bf16"]),
+    ("bf16 + CPU offload", "bf16", ["precision=bf16", "optimizer.offload=cpu"]),
+    ("amp + keep_fp32 [head]", "amp", ["precision=amp", "precision.keep_fp32=[head]"]),
+    ("amp + FSDP2, a world of one", "amp", ["precision=amp", "parallel=fsdp"]),
+]
+BREAKDOWN_LAYERS = 6
+PARTS = ("weights", "optimizer_state", "activations", "autocast_copies", "gradients")
+PARTS += ("temporaries", "inputs_and_buffers")
 D, FFN, VOCAB = 2048, 8192, 256
 PER_LAYER = D * D * 2 + 2 * D * (D // 4) + 3 * D * FFN + 2 * D  # q,o; k,v (8 of 32 heads); FFN
 CAP_GIB = 24.0
@@ -75,9 +99,12 @@ def params(layers: int) -> int:
     return layers * PER_LAYER + 2 * VOCAB * D + D
 
 
-def probe(extra: list[str], layers: int, out: Path, timed: bool = False) -> dict:
+def probe(
+    extra: list[str], layers: int, out: Path, timed: bool = False, memory: bool = False
+) -> dict:
     """One train.py run in its own process (a fresh CUDA context: nothing left from the last)."""
     steps = ["trainer.max_steps=13", "trainer.perf_warmup_steps=3"] if timed else []
+    steps += ["debug.memory=true"] if memory else []
     run_dir = out / f"{next(RUNS)}-{'_'.join(e.split('=')[-1] for e in extra)}-{layers}"
     cmd = [sys.executable, str(ROOT / "train.py"), *BASE, *extra, *steps]
     cmd += [f"model.kwargs.n_layers={layers}", f"hydra.run.dir={run_dir}"]
@@ -89,6 +116,7 @@ def probe(extra: list[str], layers: int, out: Path, timed: bool = False) -> dict
         row.update(peak_gib=s["peak_mem_gib"], after_step_gib=s.get("after_step_gib"))
         sps = s.get("samples_per_s")
         row.update(step_ms=1000 * s["batch"] / sps if sps else None, error=s.get("error"))
+        row.update(breakdown=s.get("memory_breakdown"))
     elif proc.returncode:
         lines = (proc.stderr + proc.stdout).strip().splitlines()
         row["error"] = next((x for x in reversed(lines) if "error" in x.lower()), "")[:300]
@@ -125,12 +153,48 @@ def deepest(extra: list[str], out: Path) -> dict:
     }
 
 
+def breakdown(args) -> None:
+    """Each technique's peak in its parts beside its baseline's (5 processes at a time: each
+    capped at 24 GiB; memory is what they measure, which neighbours do not change)."""
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": {}}
+    with ThreadPoolExecutor(1 if args.serial else 5) as pool:
+        found = pool.map(lambda t: probe(t[2], BREAKDOWN_LAYERS, args.runs, memory=True), BREAKDOWN)
+        for (name, _, _), row in zip(BREAKDOWN, found):
+            result["rows"][name] = row
+    args.out.write_text(json.dumps(result, indent=1))
+    print(breakdown_table(result["rows"]))
+
+
+def breakdown_table(rows: dict) -> str:
+    """GiB per part, and under each technique the change against its baseline's part."""
+    head = "| technique (against) | peak | " + " | ".join(p.replace("_", " ") for p in PARTS)
+    out = [head + " | reserve |", "|---" * (len(PARTS) + 3) + "|"]
+    for name, base, _ in BREAKDOWN:
+        b = rows.get(name, {}).get("breakdown")
+        if not b or b.get("peak") is None:
+            out.append(f"| {name} | {rows.get(name, {}).get('error') or 'no breakdown'} |")
+            continue
+        ref = (rows.get(base or "", {}) or {}).get("breakdown") or {}
+        cells = []
+        for part in ("peak", *PARTS, "reserve"):
+            v, r = b.get(part), ref.get(part)
+            cell = "-" if v is None else f"{v:.2f}"
+            if base and v is not None and r is not None and abs(v - r) >= 0.005:
+                cell += f" ({v - r:+.2f})"
+            cells.append(cell)
+        out.append(f"| {name}{f' ({base})' if base else ''} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("fits_24gb.json"))
     ap.add_argument("--runs", type=Path, default=Path("/tmp/mixprec-fits"))
     ap.add_argument("--serial", action="store_true", help="one technique at a time")
+    ap.add_argument("--breakdown", action="store_true", help="each technique's parts, 6 layers")
     args = ap.parse_args()
+    if args.breakdown:
+        return breakdown(args)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": {}}
     t0 = time.monotonic()
     with ThreadPoolExecutor(1 if args.serial else len(TECHNIQUES)) as pool:

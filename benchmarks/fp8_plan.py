@@ -8,6 +8,10 @@ now warm cache.
 
     python benchmarks/fp8_plan.py --out outputs/bench/fp8_plan                 # everything
     python benchmarks/fp8_plan.py --models vit_base,convnext_tiny --out DIR     # a part
+    python benchmarks/fp8_plan.py --models llama_8b_slice --repeat 3 --out DIR   # alternated
+
+With --repeat N the precisions run N rounds in turn (bf16, fp8, fp8_auto, bf16, ...): the
+later fp8_auto runs start on the warm cache, and each rate is set against its own round's bf16.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ def train(model: str, precision: str, cache: Path) -> dict:
             else None
         )
     rate = s.get("tokens_per_s") or s["samples_per_s"]
+    timings = [x for x in proc.stderr.splitlines() if x.startswith("fp8 plan:")]
     out = {
         "model": model,
         "precision": precision,
@@ -70,6 +75,7 @@ def train(model: str, precision: str, cache: Path) -> dict:
         "fp8_layers": (s.get("precision_plan") or {}).get("float8_layers"),
         "planning_s": (s.get("precision_plan") or {}).get("planning_s"),
         "timed_gemms": (s.get("precision_plan") or {}).get("timed_gemms"),
+        "timings": timings,  # the timing child's lines: each (shape, recipe)'s µs and seconds
     }
     if plan:
         out["plan"] = {
@@ -104,6 +110,7 @@ def main() -> None:
     ap.add_argument("--uniform", default="llama_8b_slice", help="models that also run fp8 (all)")
     ap.add_argument("--rowwise", default="", help="models that also run fp8_rowwise")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "fp8_plan")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of the precisions, alternated")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     cache = a.out / "fp8_plan_cache.json"
@@ -115,11 +122,12 @@ def main() -> None:
             *(["fp8_rowwise"] if model in a.rowwise.split(",") else []),
             "fp8_auto",
         ]
-        runs = [train(model, p, cache) for p in precisions]
-        base = next((r["rate"] for r in runs if r["precision"] == "bf16" and "rate" in r), None)
-        for r in runs:
-            if "rate" in r and base:
-                r["vs_bf16"] = round(r["rate"] / base, 3)
+        runs = [train(model, p, cache) for _ in range(a.repeat) for p in precisions]
+        for i, r in enumerate(runs):
+            r["round"] = i // len(precisions)
+            base = runs[r["round"] * len(precisions)]  # this round's bf16
+            if "rate" in r and "rate" in base:
+                r["vs_bf16"] = round(r["rate"] / base["rate"], 3)
             print(json.dumps({k: v for k, v in r.items() if k != "plan"}), flush=True)
         auto = next((r for r in runs if r["precision"] == "fp8_auto"), {})
         if "rate" in auto:
