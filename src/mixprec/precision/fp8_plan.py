@@ -236,6 +236,8 @@ def time_in_child(todo: list[tuple[Gemm, str]], compiled: bool, device: torch.de
     leave allocated (65-130 MiB a timing that neither compiler.reset(), the CUDA graph's reset
     nor gc freed in the training process, measured on an H200) leaves with the child. The
     child's progress goes to stderr; its answer is the last line of its stdout."""
+    if device.type == "cuda" and device.index is None:  # the child's GPU: this process's
+        device = torch.device("cuda", torch.cuda.current_device())
     payload = {
         "compiled": compiled,
         "device": str(device),
