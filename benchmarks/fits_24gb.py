@@ -31,6 +31,7 @@ import argparse
 import itertools
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -105,7 +106,8 @@ def probe(
     """One train.py run in its own process (a fresh CUDA context: nothing left from the last)."""
     steps = ["trainer.max_steps=13", "trainer.perf_warmup_steps=3"] if timed else []
     steps += ["debug.memory=true"] if memory else []
-    run_dir = out / f"{next(RUNS)}-{'_'.join(e.split('=')[-1] for e in extra)}-{layers}"
+    name = re.sub(r"[^A-Za-z0-9_.-]", "", "_".join(e.split("=")[-1] for e in extra))
+    run_dir = out / f"{next(RUNS)}-{name}-{layers}"  # (no [ ] in a Hydra override's value)
     cmd = [sys.executable, str(ROOT / "train.py"), *BASE, *extra, *steps]
     cmd += [f"model.kwargs.n_layers={layers}", f"hydra.run.dir={run_dir}"]
     t0 = time.monotonic()

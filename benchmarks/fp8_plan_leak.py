@@ -1,7 +1,9 @@
-"""The fp8 plan's open memory defect, reproduced: allocated MiB after each timing of
+"""Why the fp8 plan times in a child process: allocated MiB after each in-process timing of
 precision/fp8_plan.time_gemm on ViT-B/16's MLP shapes (batch 128), and after
 torch.compiler.reset() + gc + empty_cache. On an H200 (2026-12-02): 130, 197, 262, 328, and 328
-after the reset, with and without the CUDA graph's reset and autocast's cache off.
+after the reset, with and without the CUDA graph's reset and autocast's cache off. The plan now
+runs its timings through fp8_plan.time_in_child, and that memory leaves with the child
+(tests/test_gpu.py::test_the_fp8_timings_leave_nothing_allocated_in_the_training_process).
 
     python benchmarks/fp8_plan_leak.py
 """

@@ -242,3 +242,26 @@ def test_a_fit_never_extrapolates_and_too_few_evaluations_fall_back_to_the_raw_c
     # noise-free curves of the fitted form: the fit recovers the exact crossing of 3.0, 225
     # (2 + 1.5 (s/100)^-0.5 = 3.0), between the evaluations at 220 and 240
     assert analyse(bf16, "bf16", target=3.0)["rows"][0].steps_to == pytest.approx(225, rel=1e-3)
+
+
+def test_seeds_pair_across_precisions_and_an_unpaired_study_falls_back_to_welch():
+    """Seed k of every precision starts from the same weights and sees the same batches, so a
+    slow seed is slow in both: here each fp8 seed takes exactly half its bf16 seed's time, while
+    the seeds differ by 60 %. Paired, the interval is 2.00-2.00; Welch's over the same times
+    would be wide. With a seed that did not reach the target the seeds no longer pair: Welch,
+    marked W in study.md."""
+    from mixprec.report.study import analyse, markdown, ratio_interval
+
+    spread = (1.0, 1.3, 0.8)
+    bf16 = [seed("bf16", i, [4.0, 3.0, 2.0], secs_per_step=s) for i, s in enumerate(spread)]
+    fp8 = [seed("fp8", i, [4.0, 3.0, 2.0], secs_per_step=s / 2) for i, s in enumerate(spread)]
+    row = analyse(bf16 + fp8, "bf16", target=2.0, smooth="none")["rows"][1]
+    assert row.paired and row.speedup == pytest.approx(2.0)
+    assert row.interval == pytest.approx((2.0, 2.0))
+    _, welch = ratio_interval([30 * s for s in spread], [15 * s for s in spread])
+    assert welch[1] - welch[0] > 1.0
+    fp8[2] = seed("fp8", 2, [4.0, 3.0, 2.5], secs_per_step=0.4)  # never reaches 2.0
+    result = analyse(bf16 + fp8, "bf16", target=2.0, smooth="none")
+    row = result["rows"][1]
+    assert not row.paired and row.not_reached == ["seed 2 (best 2.5)"]
+    assert f"{row.interval[0]:.2f}-{row.interval[1]:.2f} (W)" in markdown(result)

@@ -24,8 +24,12 @@ The target defaults to the highest loss among the reference's seeds at `study.bu
 reference seed reaches (its mean would leave about half of them short of it). Runs longer than
 the budget give the other precisions room to reach it when they learn less per step (with equal
 steps, a precision a hair worse per step never reaches the target).
-Loss-matched speedup = the reference's time to target / this precision's, as a ratio of
-geometric means over seeds, with a 95 % Welch t interval on the log times. An interval that
+Loss-matched speedup = the reference's time to target / this precision's: the geometric mean
+of the per-seed ratios with a 95 % paired t interval on their logs, where every seed of both
+reached the target (seed k of every precision starts from the same weights and sees the same
+batches, so what makes seed k slow or fast is common to both: on the stored 1B-shape study,
+seed 1 was the fastest and seed 0 the slowest of bf16 and of fp8); otherwise the ratio of
+geometric means with a Welch t interval on the log times. An interval that
 covers 1 is "no difference we can resolve". A seed that never reaches the target is "not
 reached" (with its best loss) and a diverged one is named; neither enters the ratio. Writes
 study.md, study.json and study.png into the sweep dir."""
@@ -122,6 +126,7 @@ class Row:
     not_reached: list[str] = field(default_factory=list)  # "seed 2 (best 1.93)"
     diverged: list[str] = field(default_factory=list)
     verdict: str = ""
+    paired: bool = False  # the interval over seeds paired with the reference's (else Welch's)
 
 
 def crossing(curve: list[Point], target: float) -> tuple[float, float] | None:
@@ -228,6 +233,19 @@ def ratio_interval(ref: list[float], other: list[float]) -> tuple[float, tuple |
     return math.exp(d), (math.exp(d - half), math.exp(d + half))
 
 
+def paired_interval(ratios: list[float]) -> tuple[float, tuple | None]:
+    """The geometric mean of per-seed ratios, with its paired t interval on their logs."""
+    logs = [math.log(r) for r in ratios]
+    m = statistics.fmean(logs)
+    sd = statistics.stdev(logs) if len(logs) > 1 else 0.0
+    if len(logs) < 2 or sd == 0:
+        return math.exp(m), ((math.exp(m), math.exp(m)) if len(logs) > 1 else None)
+    from scipy.stats import t
+
+    half = t.ppf(0.5 + LEVEL / 2, len(logs) - 1) * sd / math.sqrt(len(logs))
+    return math.exp(m), (math.exp(m - half), math.exp(m + half))
+
+
 def loss_at(curve: list[Point], step: int) -> float | None:
     """The val loss at `step`, linear between the evaluations around it (None past the end)."""
     prev = None
@@ -290,7 +308,7 @@ def analyse(
     groups: dict[str, list[Seed]] = {}
     for s in sorted(seeds, key=lambda s: (s.precision != reference, s.precision, s.seed)):
         groups.setdefault(s.precision, []).append(s)
-    ref_times = [s.seconds_to for s in groups.get(reference, []) if s.seconds_to]
+    ref_times = {s.seed: s.seconds_to for s in groups.get(reference, []) if s.seconds_to}
     ref_rate = mean_std([s.rate for s in groups.get(reference, []) if s.rate])
     rows = [_row(p, g, ref_times, ref_rate, reference) for p, g in groups.items()]
     return {
@@ -331,7 +349,13 @@ def _row(precision: str, group: list[Seed], ref_times, ref_rate, reference: str)
     if precision == reference and times:
         row.speedup = 1.0  # by definition; its seeds' spread is in seconds_to
     elif times and ref_times:
-        row.speedup, row.interval = ratio_interval(ref_times, times)
+        mine = {s.seed: s.seconds_to for s in ok if s.seconds_to}
+        row.paired = len(mine) >= 2 and set(mine) == set(ref_times)
+        if row.paired:  # seed k of each precision: the same initial weights and batch order
+            ratios = [ref_times[k] / mine[k] for k in sorted(mine)]
+            row.speedup, row.interval = paired_interval(ratios)
+        else:
+            row.speedup, row.interval = ratio_interval(list(ref_times.values()), times)
     row.verdict = verdict(row, reference)
     return row
 
@@ -404,6 +428,12 @@ def _pm(v: tuple | None, fmt: str = "{:.4f}") -> str:
     return "-" if v is None else f"{fmt.format(v[0])} ± {fmt.format(v[1])}"
 
 
+def _interval(r: Row) -> str:
+    if r.interval is None:
+        return "-"
+    return f"{r.interval[0]:.2f}-{r.interval[1]:.2f}{'' if r.paired else ' (W)'}"
+
+
 def markdown(result: dict) -> str:
     ref, target, budget = result["reference"], result["target"], result.get("budget")
     where = f"its seeds' worst at step {budget}" if budget else "its seeds' worst final"
@@ -421,9 +451,11 @@ def markdown(result: dict) -> str:
     out = [
         f"## Time to the same quality (reference {ref}, target val loss {target:.4f}: {where})\n",
         "Training seconds to the target (steps only: evaluation, checkpoints and the first "
-        f"step's compile left out), {how}; speedup = the "
-        f"reference's time / this one's, geometric means over seeds, {LEVEL:.0%} Welch t "
-        "interval on the log times. Rates: steady state, each run alone on its device.\n",
+        f"step's compile left out), {how}; speedup = the reference's time / this one's, "
+        f"the geometric mean over seeds with a {LEVEL:.0%} paired t interval on the per-seed "
+        "log ratios (seed k of every precision starts from the same weights and sees the same "
+        "batches), or Welch's t on the log times where the seeds do not pair (marked W). "
+        "Rates: steady state, each run alone on its device.\n",
         "| precision | seeds | tokens/s (samples/s) | raw rate vs ref | final val loss | "
         "steps to target | seconds to target | loss-matched speedup | interval | skipped "
         "| peak GiB |",
@@ -436,7 +468,7 @@ def markdown(result: dict) -> str:
             f"{'-' if r.steps_to is None else f'{r.steps_to:.0f}'} | "
             f"{_pm(r.seconds_to, '{:.1f}')} | "
             f"{'-' if r.speedup is None else f'**{r.speedup:.2f}**'} | "
-            f"{'-' if r.interval is None else f'{r.interval[0]:.2f}-{r.interval[1]:.2f}'} | "
+            f"{_interval(r)} | "
             f"{r.skipped} | {'-' if r.peak_gib is None else f'{r.peak_gib:.1f}'} |"
         )
     out.append("")
