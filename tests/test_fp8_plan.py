@@ -57,7 +57,7 @@ def fake_timer(calls: list):
             "rowwise": 70.0 if big else 140.0,
         }[recipe]
 
-    return lambda todo: [one(g, recipe) for g, recipe in todo]
+    return lambda todo: [sum(one(g, recipe) for g in shapes) for shapes, recipe in todo]
 
 
 def test_shapes_come_from_a_forward_and_the_cache_spares_a_second_measurement(tmp_path):
@@ -72,7 +72,7 @@ def test_shapes_come_from_a_forward_and_the_cache_spares_a_second_measurement(tm
     }
     calls: list = []
     cache = fp8_plan.TimingCache(str(tmp_path / "plan.json"))
-    key = lambda g, r: f"gpu|{g.key()}|{r}"  # noqa: E731
+    key = lambda shapes, r: f"gpu|{'&'.join(g.key() for g in shapes)}|{r}"  # noqa: E731
     plan = fp8_plan.measure(gemms, ["tensorwise", "rowwise"], 0.05, fake_timer(calls), key, cache)
     assert {n: c.choice for n, c in plan.items()} == {
         "wide1": "tensorwise",
@@ -81,6 +81,7 @@ def test_shapes_come_from_a_forward_and_the_cache_spares_a_second_measurement(tm
     }
     assert plan["wide1"].saving_us == 40.0 and plan["narrow"].saving_us == 0.0
     assert len(calls) == 3 * 3
+    assert all(c.group is None for c in plan.values())  # no groups given: each layer alone
     again: list = []
     cached = fp8_plan.TimingCache(str(tmp_path / "plan.json"))  # a new process, the same file
     same = fp8_plan.measure(gemms, ["tensorwise", "rowwise"], 0.05, fake_timer(again), key, cached)
@@ -89,6 +90,75 @@ def test_shapes_come_from_a_forward_and_the_cache_spares_a_second_measurement(tm
     }
     (tmp_path / "plan.json").write_text("{not json")  # a broken cache is measured again
     assert fp8_plan.TimingCache(str(tmp_path / "plan.json")).data == {}
+
+
+class Attention(nn.Module):
+    """q, k and v read one input (and o reads theirs): a group of three, and one alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(64, 256), nn.Linear(64, 32), nn.Linear(64, 32)
+        self.o = nn.Linear(256, 64)
+
+    def forward(self, x):
+        q = self.q(x)
+        return self.o(q * (self.k(x) + self.v(x)).repeat(1, 8))
+
+
+def shared_cast_timer(todo):
+    """Float8 pays for q alone (60 against 100 µs) and not for k or v alone (40 against 30: the
+    cast of the input is most of their time); read together, the input is cast once (-15 µs
+    for each extra layer)."""
+    us = {(256, BF16): 100.0, (256, "tensorwise"): 60.0, (32, BF16): 30.0, (32, "tensorwise"): 40.0}
+    us[(64, BF16)], us[(64, "tensorwise")] = 50.0, 80.0  # o: 256 -> 64
+    out = []
+    for shapes, recipe in todo:
+        t = sum(us[(g.n, recipe)] for g in shapes)
+        out.append(t - (15.0 * (len(shapes) - 1) if recipe != BF16 else 0.0))
+    return out
+
+
+def test_layers_that_read_one_input_are_timed_and_chosen_together(tmp_path, monkeypatch):
+    """q, k and v read the same tensor: one group, timed together. Alone, k and v would stay in
+    bf16 (40 against 30 µs) while q goes float8; together the three take 60+40+40-30 = 110 µs
+    in float8 against 160 in bf16, so all three go float8, each carrying a third of the group's
+    times. o reads another tensor: alone, and bf16."""
+    model = Attention()
+    groups: list = []
+    gemms = fp8_plan.layer_gemms(
+        model,
+        torch.randn(16, 64),
+        lambda: torch.autocast("cpu", enabled=False),
+        list("qkvo"),
+        groups,
+    )
+    assert groups == [["q", "k", "v"]]
+    cache = fp8_plan.TimingCache(str(tmp_path / "plan.json"))
+    key = lambda shapes, r: f"gpu|{'&'.join(g.key() for g in shapes)}|{r}"  # noqa: E731
+    plan = fp8_plan.measure(gemms, ["tensorwise"], 0.05, shared_cast_timer, key, cache, groups)
+    assert {n: c.choice for n, c in plan.items()} == {
+        "q": "tensorwise",
+        "k": "tensorwise",
+        "v": "tensorwise",
+        "o": BF16,
+    }
+    assert plan["k"].group == "q+k+v" and plan["o"].group is None
+    assert plan["k"].us == {BF16: pytest.approx(160 / 3), "tensorwise": pytest.approx(110 / 3)}
+    assert sum(c.saving_us for c in plan.values()) == pytest.approx(50.0)
+    assert "with q+k+v" in fp8_plan.table(plan, ["tensorwise"])
+    # each layer alone (an eager run: no shared cast to count), k and v stay in bf16
+    alone = fp8_plan.measure(gemms, ["tensorwise"], 0.05, shared_cast_timer, key, cache)
+    assert [n for n, c in alone.items() if c.choice != BF16] == ["q"]
+    # through the plugin: a compiled run times the group, an eager one each layer alone
+    monkeypatch.setattr(fp8_plan, "time_in_child", lambda todo, c, d: shared_cast_timer(todo))
+    for compiled, fp8_layers in ((True, ["q", "k", "v"]), (False, ["q"])):
+        prec = auto_plugin()
+        prec.prepare(precision.Context(example=lambda: torch.randn(16, 64), compiled=compiled))
+        prec.convert(Attention())
+        assert prec.converted == fp8_layers
+    # a plan saved before groups existed reads back
+    old = {k: v for k, v in plan["o"].as_dict().items() if k != "group"}
+    assert fp8_plan.Choice.from_dict(old).group is None
 
 
 def test_the_cache_key_changes_with_each_input(monkeypatch):
@@ -102,7 +172,9 @@ def test_the_cache_key_changes_with_each_input(monkeypatch):
         fp8_plan.cache_key(Gemm(16, 64, 256, False), "tensorwise", True, cpu),  # bias
         fp8_plan.cache_key(g, "rowwise", True, cpu),  # recipe
         fp8_plan.cache_key(g, "tensorwise", False, cpu),  # compiled or eager
+        fp8_plan.cache_key((g, Gemm(16, 64, 32, True)), "tensorwise", True, cpu),  # a group
     }
+    assert fp8_plan.cache_key((g,), "tensorwise", True, cpu) == base  # one layer: as before
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     others.add(fp8_plan.cache_key(g, "tensorwise", True, cpu))  # torch
     monkeypatch.undo()
@@ -111,7 +183,7 @@ def test_the_cache_key_changes_with_each_input(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Another GPU")
     others.add(fp8_plan.cache_key(g, "tensorwise", True, torch.device("cuda")))  # the GPU
-    assert base not in others and len(others) == 7
+    assert base not in others and len(others) == 8
 
 
 def auto_plugin(**keys):
@@ -171,7 +243,7 @@ def test_a_timing_that_fails_in_its_child_process_is_an_error_and_the_parent_goe
     fails there (here: no GPU to time on) is a MixprecError in the training process, which is
     itself unharmed."""
     with pytest.raises(MixprecError, match="timing the layers failed in its child process"):
-        fp8_plan.time_in_child([(Gemm(16, 64, 256, True), BF16)], True, torch.device("cpu"))
+        fp8_plan.time_in_child([((Gemm(16, 64, 256, True),), BF16)], True, torch.device("cpu"))
     assert torch.ones(2).sum().item() == 2.0
 
 

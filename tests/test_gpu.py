@@ -650,8 +650,11 @@ def test_the_fp8_timings_leave_nothing_allocated_in_the_training_process():
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated(dev)
     small, big = Gemm(8192, 768, 3072, True), Gemm(8192, 3072, 12288, True)
-    todo = [(small, BF16), (small, "tensorwise"), (big, BF16), (big, "tensorwise")]
+    todo = [((small,), BF16), ((small,), "tensorwise"), ((big,), BF16), ((big,), "tensorwise")]
+    kv = Gemm(8192, 768, 256, False)  # and a group that reads one input (time_group)
+    todo += [((small, kv, kv), BF16), ((small, kv, kv), "tensorwise")]
     us = time_in_child(todo, True, dev)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated(dev) == before
     assert all(u > 0 for u in us) and us[2] > 4 * us[0] and us[3] > 4 * us[1], us
+    assert us[4] > us[0] and us[5] > 0.5 * us[1], us  # the group does more than its first layer

@@ -149,7 +149,9 @@ class Plugin(Precision):
     def _measure(self, model: nn.Module, names: list[str]) -> dict:
         cfg, ctx = self.cfg, self.ctx
         device = next(model.parameters()).device
-        gemms = fp8_plan.layer_gemms(model, ctx.example(), self.autocast, names)
+        # compiled, the layers that read one input share its float8 cast: timed as a group
+        groups: list | None = [] if ctx.compiled else None
+        gemms = fp8_plan.layer_gemms(model, ctx.example(), self.autocast, names, groups)
         started = time.perf_counter()
         cache = fp8_plan.TimingCache(cfg.fp8_plan_cache)
         known = len(cache.data)
@@ -160,6 +162,7 @@ class Plugin(Precision):
             timer=lambda todo: fp8_plan.time_in_child(todo, ctx.compiled, device),
             key=lambda g, r: fp8_plan.cache_key(g, r, ctx.compiled, device),
             cache=cache,
+            groups=groups or (),
         )
         self.plan_s = time.perf_counter() - started
         self.timed = len(cache.data) - known

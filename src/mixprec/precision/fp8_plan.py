@@ -6,7 +6,11 @@ each candidate float8 recipe: one Linear's forward and both backward GEMMs (grad
 weight) with the casts and scaling the recipe adds (torchao's own Float8Linear, compiled when
 the run compiles), its GPU time replayed from a CUDA graph. Each layer gets the fastest recipe
 that beats bf16 by `margin` (5 %: below that, timing noise and the casts' fusion in the whole
-model decide), bf16 otherwise. The
+model decide), bf16 otherwise. When the run compiles, Linears that read one input tensor
+(attention's q, k, v; SwiGLU's w1, w3) are timed together and go float8 together or not at all:
+the compiled model casts their input once for all of them, which a timing of each alone charges
+to each (on Llama-3-8B's layers, wk and wv alone stayed bf16 and the plan ended 1.2 % under
+uniform fp8; the group timing is not yet measured on a GPU). The
 timings are cached per (GPU, torch, torchao, shape, recipe, compiled) in one JSON file, so a
 second start with the same shapes measures nothing.
 
@@ -56,15 +60,25 @@ class Gemm:
         return f"{self.m}x{self.k}x{self.n}{'+bias' if self.bias else ''}"
 
 
-def layer_gemms(model: nn.Module, x: torch.Tensor, autocast, names: list[str]) -> dict:
+def layer_gemms(
+    model: nn.Module, x: torch.Tensor, autocast, names: list[str], groups: list | None = None
+) -> dict:
     """{layer name: (Gemm, calls per forward)} from one no-grad eval forward of `x` with hooks
-    on the named Linear layers (the model's mode is put back)."""
+    on the named Linear layers (the model's mode is put back). `groups`, when given, receives
+    each set of two or more of those layers that read the same input tensor (attention's q, k
+    and v; SwiGLU's w1 and w3): in a compiled model they share that input's float8 cast."""
     found: dict[str, list] = {}
+    inputs: list[tuple[torch.Tensor, list[str]]] = []  # (held: an id is not reused meanwhile)
 
     def hook_for(name: str, mod: nn.Linear):
         def hook(_mod, args, _out):
             rows = args[0].numel() // mod.in_features
             gemm = Gemm(rows, mod.in_features, mod.out_features, mod.bias is not None)
+            if name not in found:
+                readers = next((r for t, r in inputs if t is args[0]), None)
+                if readers is None:
+                    inputs.append((args[0], readers := []))
+                readers.append(name)
             found.setdefault(name, [gemm, 0])[1] += 1
 
         return hook
@@ -82,6 +96,8 @@ def layer_gemms(model: nn.Module, x: torch.Tensor, autocast, names: list[str]) -
         model.train(was_training)
         for h in handles:
             h.remove()
+    if groups is not None:
+        groups.extend(readers for _, readers in inputs if len(readers) > 1)
     return {n: tuple(v) for n, v in found.items()}
 
 
@@ -108,6 +124,49 @@ def time_gemm(g: Gemm, recipe: str, compiled: bool, device: torch.device, reps: 
             y = run(x)
         y.backward(dy)  # into the .grad the warm-up made: in place, as a graph replays it
 
+    return _replayed_us(step, reps)
+
+
+def time_group(
+    gemms: tuple[Gemm, ...], recipe: str, compiled: bool, device: torch.device, reps: int = 20
+) -> float:
+    """time_gemm for Linears that read one input (shapes M x K x N_i): their forwards and
+    backwards together, as the model runs them; compiled, the input's float8 cast is made once
+    for all of them, as in the compiled model."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    fan = _Fan(gemms, device)
+    run = fan
+    if recipe != BF16:
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        fan = convert_to_float8_training(fan, config=config)
+        run = torch.compile(fan, dynamic=True) if compiled else fan
+    x = torch.randn(gemms[0].m, gemms[0].k, device=device, dtype=torch.bfloat16)
+    x.requires_grad_()
+    dys = [torch.randn(g.m, g.n, device=device, dtype=torch.bfloat16) for g in gemms]
+
+    def step():  # (autocast's weight-cast cache off, as CUDA graphs require: on, it leaks)
+        with torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False):
+            ys = run(x)
+        torch.autograd.backward(ys, dys)
+
+    return _replayed_us(step, reps)
+
+
+class _Fan(nn.Module):
+    """Linears that read one input: their outputs, in order."""
+
+    def __init__(self, gemms: tuple[Gemm, ...], device: torch.device) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(g.k, g.n, bias=g.bias, device=device) for g in gemms)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(layer(x) for layer in self.layers)
+
+
+def _replayed_us(step: Callable[[], None], reps: int) -> float:
+    """GPU microseconds of `step`: captured in a CUDA graph, the median of three runs of `reps`
+    replays."""
     replay, graph = _captured(step)
     runs = []
     for _ in range(3):
@@ -118,8 +177,8 @@ def time_gemm(g: Gemm, recipe: str, compiled: bool, device: torch.device, reps: 
         end.record()
         end.synchronize()
         runs.append(1000 * start.elapsed_time(end) / reps)
-    if graph is not None:  # its private pool back (it did not stop the known leak: the
-        graph.reset()  # module docstring)
+    if graph is not None:  # its private pool back
+        graph.reset()
     return sorted(runs)[1]
 
 
@@ -152,6 +211,9 @@ class Choice:
     us: dict  # {recipe: microseconds per forward+backward}, bf16 included
     choice: str  # bf16 or the float8 recipe it gets
     saving_us: float  # (bf16 - choice) x calls: the expected saving per micro-batch
+    group: str | None = (
+        None  # "wq+wk+wv": chosen with the layers that read its input; us: its share
+    )
 
     def as_dict(self) -> dict:
         return {**asdict(self), "gemm": [self.gemm.m, self.gemm.k, self.gemm.n, self.gemm.bias]}
@@ -193,46 +255,57 @@ class TimingCache:
             log.warning("fp8 plan: the timings could not be cached in %s (%s)", self.path, e)
 
 
-def cache_key(gemm: Gemm, recipe: str, compiled: bool, device: torch.device) -> str:
-    """The GPU, torch, torchao, the shape, the recipe and whether compiled: what a timing
-    depends on."""
+def cache_key(gemms, recipe: str, compiled: bool, device: torch.device) -> str:
+    """The GPU, torch, torchao, the shape (a Gemm, or the Gemms of Linears that read one input),
+    the recipe and whether compiled: what a timing depends on."""
     import torchao
 
+    gemms = (gemms,) if isinstance(gemms, Gemm) else tuple(gemms)
+    shape = "&".join(g.key() for g in gemms)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     how = ("compiled" if compiled else "eager") + "+cudagraph"  # how it was timed
-    return (
-        f"{gpu}|torch {torch.__version__}|torchao {torchao.__version__}|{gemm.key()}|{recipe}|{how}"
-    )
+    return f"{gpu}|torch {torch.__version__}|torchao {torchao.__version__}|{shape}|{recipe}|{how}"
 
 
 def measure(
     gemms: dict,
     candidates: list[str],
     margin: float,
-    timer: Callable[[list[tuple[Gemm, str]]], list[float]],
-    key: Callable[[Gemm, str], str],
+    timer: Callable[[list[tuple[tuple[Gemm, ...], str]]], list[float]],
+    key: Callable[[tuple[Gemm, ...], str], str],
     cache: TimingCache,
+    groups: list[list[str]] = (),
 ) -> dict[str, Choice]:
-    """The plan: each layer's timings (from the cache, or `timer`, given every (shape,
-    recipe) the cache lacks at once) and its choice."""
-    todo: dict[str, tuple[Gemm, str]] = {}
-    for gemm, _ in gemms.values():
-        for recipe in (BF16, *candidates):
-            if key(gemm, recipe) not in cache.data:
-                todo.setdefault(key(gemm, recipe), (gemm, recipe))
+    """The plan: the timings of each layer, or of each group of layers that read one input
+    (`groups`: they go float8 together or not at all), from the cache or from `timer`, given
+    every (shapes, recipe) the cache lacks at once; then each one's choice."""
+    grouped = {n for g in groups for n in g}
+    units = [list(g) for g in groups] + [[n] for n in gemms if n not in grouped]
+    recipes = (BF16, *candidates)
+    todo: dict[str, tuple[tuple[Gemm, ...], str]] = {}
+    for unit in units:
+        shapes = tuple(gemms[n][0] for n in unit)
+        for recipe in recipes:
+            if key(shapes, recipe) not in cache.data:
+                todo.setdefault(key(shapes, recipe), (shapes, recipe))
     if todo:
         cache.data.update(zip(todo, timer(list(todo.values()))))
         cache.save()
     plan = {}
-    for name, (gemm, calls) in gemms.items():
-        us = {recipe: cache.data[key(gemm, recipe)] for recipe in (BF16, *candidates)}
+    for unit in units:
+        shapes = tuple(gemms[n][0] for n in unit)
+        us = {r: cache.data[key(shapes, r)] / len(unit) for r in recipes}  # each one's share
         pick = choose(us, candidates, margin)
-        plan[name] = Choice(gemm, calls, us, pick, (us[BF16] - us[pick]) * calls)
-    return plan
+        for n in unit:
+            gemm, calls = gemms[n]
+            group = "+".join(unit) if len(unit) > 1 else None
+            plan[n] = Choice(gemm, calls, us, pick, (us[BF16] - us[pick]) * calls, group)
+    return {n: plan[n] for n in gemms}
 
 
-def time_in_child(todo: list[tuple[Gemm, str]], compiled: bool, device: torch.device) -> list:
-    """time_gemm of each (shape, recipe), in a child process on the same GPU: what the timings
+def time_in_child(todo: list, compiled: bool, device: torch.device) -> list:
+    """time_gemm (time_group for Linears that read one input) of each (shapes, recipe), in a
+    child process on the same GPU: what the timings
     leave allocated (65-130 MiB a timing that neither compiler.reset(), the CUDA graph's reset
     nor gc freed in the training process, measured on an H200) leaves with the child. The
     child's progress goes to stderr; its answer is the last line of its stdout."""
@@ -241,7 +314,7 @@ def time_in_child(todo: list[tuple[Gemm, str]], compiled: bool, device: torch.de
     payload = {
         "compiled": compiled,
         "device": str(device),
-        "todo": [[[g.m, g.k, g.n, g.bias], recipe] for g, recipe in todo],
+        "todo": [[[[g.m, g.k, g.n, g.bias] for g in shapes], recipe] for shapes, recipe in todo],
     }
     proc = subprocess.run(
         [sys.executable, "-m", "mixprec.precision.fp8_plan"],
@@ -266,12 +339,16 @@ def _child() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     out = []
-    for i, ((m, k, n, bias), recipe) in enumerate(job["todo"]):
+    for i, (shapes, recipe) in enumerate(job["todo"]):
         started = time.perf_counter()
-        out.append(time_gemm(Gemm(m, k, n, bias), recipe, job["compiled"], device))
+        gemms = tuple(Gemm(*g) for g in shapes)
+        if len(gemms) == 1:
+            out.append(time_gemm(gemms[0], recipe, job["compiled"], device))
+        else:
+            out.append(time_group(gemms, recipe, job["compiled"], device))
         print(
-            f"fp8 plan: {i + 1}/{len(job['todo'])} {m}x{k}x{n} {recipe}: {out[-1]:.1f} us "
-            f"({time.perf_counter() - started:.1f}s)",
+            f"fp8 plan: {i + 1}/{len(job['todo'])} {'&'.join(g.key() for g in gemms)} {recipe}: "
+            f"{out[-1]:.1f} us ({time.perf_counter() - started:.1f}s)",
             file=sys.stderr,
             flush=True,
         )
@@ -287,8 +364,9 @@ def table(plan: dict[str, Choice], candidates: list[str]) -> str:
     ]
     for name, c in plan.items():
         times = " | ".join(f"{c.us[r]:.1f}" for r in cols)
+        choice = c.choice + (f" (with {c.group}: each its share)" if c.group else "")
         lines.append(
-            f"| {name} | {c.gemm.m} x {c.gemm.k} x {c.gemm.n} | {times} | {c.choice} | "
+            f"| {name} | {c.gemm.m} x {c.gemm.k} x {c.gemm.n} | {times} | {choice} | "
             f"{c.saving_us:.1f} |"
         )
     total = sum(c.saving_us for c in plan.values())
