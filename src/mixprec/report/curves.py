@@ -88,16 +88,10 @@ def fitted_crossing(curve: list[Point], fit: dict, target: float) -> tuple[float
 
 
 def seconds_at(curve: list[Point], step: float) -> float:
-    """Training seconds at `step`, linear between the evaluations around it."""
-    prev = None
-    for p in curve:
-        if p.step >= step:
-            if prev is None or p.step == prev.step:
-                return p.train_s
-            f = (step - prev.step) / (p.step - prev.step)
-            return prev.train_s + f * (p.train_s - prev.train_s)
-        prev = p
-    return curve[-1].train_s
+    """Training seconds at `step`, linear between the evaluations around it (the last past
+    the end)."""
+    at = _between(curve, step, "train_s")
+    return curve[-1].train_s if at is None else at
 
 
 def mean_std(values: list[float]) -> tuple[float, float] | None:
@@ -136,14 +130,20 @@ def paired_interval(ratios: list[float]) -> tuple[float, tuple | None]:
     return math.exp(m), (math.exp(m - half), math.exp(m + half))
 
 
-def loss_at(curve: list[Point], step: int) -> float | None:
+def loss_at(curve: list[Point], step: float) -> float | None:
     """The val loss at `step`, linear between the evaluations around it (None past the end)."""
+    return _between(curve, step, "loss")
+
+
+def _between(curve: list[Point], step: float, field: str) -> float | None:
+    """`field` of the curve at `step`, linear between the evaluations around it; None past
+    the last."""
     prev = None
     for p in curve:
         if p.step >= step:
             if prev is None or p.step == step:
-                return p.loss
+                return getattr(p, field)
             f = (step - prev.step) / (p.step - prev.step)
-            return prev.loss + f * (p.loss - prev.loss)
+            return getattr(prev, field) + f * (getattr(p, field) - getattr(prev, field))
         prev = p
     return None

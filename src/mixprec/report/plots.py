@@ -180,6 +180,8 @@ def study_plot(result: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from mixprec.report.curves import fitted_loss
+
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     groups: dict[str, list] = {}
     for s in result["seeds"]:
@@ -200,7 +202,7 @@ def study_plot(result: dict, path: Path) -> Path:
     for s in result["seeds"]:  # smooth=power: each seed's fitted curve, over its window
         if s.fit:
             xs = [s.fit["first"] + i * (s.fit["last"] - s.fit["first"]) / 50 for i in range(51)]
-            ys = [s.fit["a"] + s.fit["b"] * (x / s.fit["s0"]) ** -s.fit["c"] for x in xs]
+            ys = [fitted_loss(s.fit, x) for x in xs]
             colour = COLOURS.get(s.precision, "tab:olive")
             axes[1].plot(xs, ys, color=colour, linewidth=0.7, linestyle=":")
     # the range past warm-up's transient (the first tenth of the steps), where the target lies
