@@ -3,7 +3,7 @@ its own on the same GPU: bf16, uniform float8 (tensorwise, and rowwise where ask
 (the per-layer plan measured on this GPU) on the fp8 table's vision models (batch 128, 224x224,
 compiled per block, 60 steps, 20 of warm-up) and the LM table's Llamas (batch 2 x 4,096 bytes,
 20 steps, 8 of warm-up). Prints and writes rate ÷ bf16 per run, the plan's float8 layers, the
-planning time with a cold cache, and the planning time of `python -m mixprec.fp8_plan` on the
+planning time with a cold cache (--cold: inductor's and Triton's too), and the planning time of `python -m mixprec.fp8_plan` on the
 now warm cache.
 
     python benchmarks/fp8_plan.py --out outputs/bench/fp8_plan                 # everything
@@ -40,18 +40,22 @@ def overrides(model: str) -> list[str]:
     return ["experiment=lm_table", "hydra.mode=RUN", f"model={model}"]
 
 
-def train(model: str, precision: str, cache: Path) -> dict:
+def train(model: str, precision: str, cache: Path, cold: bool = False) -> dict:
+    """One train.py run; `cold`: inductor's and Triton's caches empty (a new machine)."""
     with tempfile.TemporaryDirectory() as d:
         args = [*overrides(model), f"precision={precision}", "logger=none", f"hydra.run.dir={d}"]
         if precision == "fp8_auto":
             args.append(f"precision.fp8_plan_cache={cache}")
+        env = {**os.environ, "WANDB_MODE": "offline"}
+        if cold:
+            env |= {"TORCHINDUCTOR_CACHE_DIR": f"{d}/inductor", "TRITON_CACHE_DIR": f"{d}/triton"}
         t0 = time.perf_counter()
         proc = subprocess.run(
             [sys.executable, str(ROOT / "train.py"), *args],
             cwd=ROOT,
             capture_output=True,
             text=True,
-            env={**os.environ, "WANDB_MODE": "offline"},
+            env=env,
         )
         wall = time.perf_counter() - t0
         if proc.returncode:
@@ -79,7 +83,7 @@ def train(model: str, precision: str, cache: Path) -> dict:
     }
     if plan:
         out["plan"] = {
-            n: {"choice": c["choice"], "us": c["us"], "gemm": c["gemm"]} for n, c in plan.items()
+            n: {k: c.get(k) for k in ("choice", "us", "gemm", "group")} for n, c in plan.items()
         }
     return out
 
@@ -111,6 +115,11 @@ def main() -> None:
     ap.add_argument("--rowwise", default="", help="models that also run fp8_rowwise")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "fp8_plan")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of the precisions, alternated")
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="the first fp8_auto run with inductor's and Triton's caches empty (a new machine)",
+    )
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     cache = a.out / "fp8_plan_cache.json"
@@ -122,7 +131,11 @@ def main() -> None:
             *(["fp8_rowwise"] if model in a.rowwise.split(",") else []),
             "fp8_auto",
         ]
-        runs = [train(model, p, cache) for _ in range(a.repeat) for p in precisions]
+        runs = [
+            train(model, p, cache, cold=a.cold and i == 0 and p == "fp8_auto")
+            for i in range(a.repeat)
+            for p in precisions
+        ]
         for i, r in enumerate(runs):
             r["round"] = i // len(precisions)
             base = runs[r["round"] * len(precisions)]  # this round's bf16

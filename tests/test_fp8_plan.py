@@ -4,7 +4,9 @@ resumed run that keeps its plan. Timing on the GPU is test_gpu.py's (float8 need
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 
 import pytest
 import torch
@@ -150,7 +152,7 @@ def test_layers_that_read_one_input_are_timed_and_chosen_together(tmp_path, monk
     alone = fp8_plan.measure(gemms, ["tensorwise"], 0.05, shared_cast_timer, key, cache)
     assert [n for n, c in alone.items() if c.choice != BF16] == ["q"]
     # through the plugin: a compiled run times the group, an eager one each layer alone
-    monkeypatch.setattr(fp8_plan, "time_in_child", lambda todo, c, d: shared_cast_timer(todo))
+    monkeypatch.setattr(fp8_plan, "time_in_child", lambda todo, *a: shared_cast_timer(todo))
     for compiled, fp8_layers in ((True, ["q", "k", "v"]), (False, ["q"])):
         prec = auto_plugin()
         prec.prepare(precision.Context(example=lambda: torch.randn(16, 64), compiled=compiled))
@@ -181,14 +183,80 @@ def test_the_cache_key_changes_with_each_input(monkeypatch):
     monkeypatch.setattr(torchao, "__version__", "0.0.1")
     others.add(fp8_plan.cache_key(g, "tensorwise", True, cpu))  # torchao
     monkeypatch.undo()
+    monkeypatch.setenv("MIXPREC_FP8_PLAN_STATIC", "1")
+    others.add(fp8_plan.cache_key(g, "tensorwise", True, cpu))  # timed with static weights
+    monkeypatch.undo()
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Another GPU")
     others.add(fp8_plan.cache_key(g, "tensorwise", True, torch.device("cuda")))  # the GPU
-    assert base not in others and len(others) == 8
+    assert base not in others and len(others) == 9
+
+
+class FakeChild:
+    started: list = []
+
+    def __init__(self, device, compiled):
+        self.closed = False
+        FakeChild.started.append(self)
+
+    def time(self, todo):
+        return fake_timer([])(todo)
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_timing_process_starts_early_only_where_the_cache_lacks_this_gpu(monkeypatch, tmp_path):
+    """warm_up (before the data and the model) starts the timing child for fp8_layers=auto on a
+    GPU whose timings the cache has none of; convert() uses it and ends it, or ends it unused
+    (a resumed plan). A cache with this GPU's timings, fp8_layers=all or the CPU: no child."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(fp8_plan, "Child", FakeChild)
+    monkeypatch.setattr(fp8_plan, "machine", lambda d: "H200|torch 2.11|torchao 0.18")
+    cache = tmp_path / "plan.json"
+    FakeChild.started = []
+    prec = auto_plugin(fp8_plan_cache=str(cache))
+    prec.warm_up(cuda, True)
+    assert len(FakeChild.started) == 1 and not FakeChild.started[0].closed
+    prec.prepare(precision.Context(example=lambda: torch.randn(4, 64)))
+    monkeypatch.setattr(fp8_plan, "cache_key", lambda g, r, c, d: f"H200|x|{g}|{r}")
+    prec.convert(Net())
+    assert FakeChild.started[0].closed and prec.child is None and prec.timed > 0
+    assert json.loads(cache.read_text())  # its timings kept
+    cache.write_text(json.dumps({"H200|torch 2.11|torchao 0.18|16x64x256|bf16|x": 1.0}))
+    for prec, device in (
+        (auto_plugin(fp8_plan_cache=str(cache)), cuda),  # this GPU's timings cached
+        (auto_plugin(fp8_plan_cache=None), torch.device("cpu")),
+        (auto_plugin(fp8_plan_cache=None, fp8_layers="all"), cuda),
+    ):
+        prec.warm_up(device, True)
+    assert len(FakeChild.started) == 1
+    # started, then not needed: a resume brings its plan
+    prec = auto_plugin(fp8_plan_cache=None)
+    prec.warm_up(cuda, True)
+    prec.prepare(precision.Context(saved_plan={}, example=lambda: torch.randn(4, 64)))
+    prec.convert(Net())
+    assert FakeChild.started[-1].closed and len(FakeChild.started) == 2
+
+
+def test_a_timing_child_that_is_not_needed_ends_with_its_process_group():
+    """close() ends a child still warming up (here: waiting on its stdin), and its process group
+    with it; so does the parent dropping it."""
+    child = fp8_plan.Child(torch.device("cpu"), False)
+    pid = child.proc.pid
+    child.close()
+    assert child.proc.returncode is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)
+    other = fp8_plan.Child(torch.device("cpu"), False)
+    proc = other.proc
+    del other
+    gc.collect()
+    assert proc.returncode is not None
 
 
 def auto_plugin(**keys):
     return precision.build(
-        group("precision", "fp8_auto", fp8_plan_cache=None, **keys),
+        group("precision", "fp8_auto", **{"fp8_plan_cache": None, **keys}),
         group("scaler"),
         torch.device("cpu"),
         check_device=False,
@@ -197,9 +265,7 @@ def auto_plugin(**keys):
 
 def test_the_plan_converts_each_layer_to_its_recipe_and_a_resume_keeps_it(monkeypatch):
     calls: list = []
-    monkeypatch.setattr(
-        fp8_plan, "time_in_child", lambda todo, compiled, device: fake_timer(calls)(todo)
-    )
+    monkeypatch.setattr(fp8_plan, "time_in_child", lambda todo, *a: fake_timer(calls)(todo))
     prec = auto_plugin()
     prec.prepare(precision.Context(example=lambda: torch.randn(4, 64)))
     model = prec.convert(Net())

@@ -9,6 +9,8 @@ module and one YAML.
 
 What a precision decides, and where the run asks it (the plugin interface):
 - check_device(device): refuse a device it cannot run on, before any work (ConfigError);
+- warm_up(device, compiled): before the data and the model are built, work that needs neither
+  (fp8_auto starts its timing process, which warms the compile stack meanwhile);
 - prepare(ctx): what the builder knows before the conversion (Context: sharded or not, a
   micro-batch of the run to measure with, compiled or not, a plan the run resumes with);
 - convert(model): change the model before training (before the parallel wrap and compile);
@@ -158,6 +160,10 @@ class Precision:
                 f"precision={self.name}: {torch.cuda.get_device_name(device)} has "
                 "no bfloat16 support; use one of fp32, tf32, amp, amp_accum"
             )
+
+    def warm_up(self, device: torch.device, compiled: bool) -> None:
+        """Before the data and the model are built (not for batch=auto's probes, nor for a run
+        that resumes a plan). Nothing here."""
 
     def prepare(self, ctx: Context) -> None:
         """Before convert(): what the builder knows of the run."""

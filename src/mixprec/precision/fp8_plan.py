@@ -14,7 +14,10 @@ uniform fp8; the group timing is not yet measured on a GPU). The
 timings are cached per (GPU, torch, torchao, shape, recipe, compiled) in one JSON file, so a
 second start with the same shapes measures nothing.
 
-The timings run in a child process on the same GPU (time_in_child): each timing leaves 65-130
+The timings run in a child process on the same GPU (Child), started before the data and the
+model are built so that the compile stack's first use (inductor, Triton, its workers) overlaps
+them, with the weights' shapes dynamic so that one compiled graph times every shape of a kind
+(MIXPREC_FP8_PLAN_STATIC=1: compiled again for each shape, as before). Each timing leaves 65-130
 MiB allocated that neither torch.compiler.reset(), the graph's reset nor gc frees in-process
 (benchmarks/fp8_plan_leak.py shows it; measured on an H200, 2026-12-02), and a cold-cache
 fp8_auto run planned in-process peaked 0.8-1.1 GiB above bf16; in a child, that memory leaves
@@ -27,12 +30,15 @@ benchmarks/fp8_plan.py (train.py, fp8_auto against bf16 and uniform fp8, side by
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -104,8 +110,8 @@ def layer_gemms(
 def time_gemm(g: Gemm, recipe: str, compiled: bool, device: torch.device, reps: int = 20) -> float:
     """Microseconds of GPU time for one forward + backward of a Linear of shape `g` under bf16
     autocast: nn.Linear (recipe 'bf16': cuBLAS's GEMMs, eager) or torchao's Float8Linear with
-    that recipe (compiled with dynamic shapes when the run compiles: one graph serves every
-    shape, so each new shape costs a cache hit, not a compile). The step is captured in a CUDA
+    that recipe (compiled with dynamic shapes when the run compiles: in the timing child, one
+    graph serves every shape of a layer kind). The step is captured in a CUDA
     graph and replayed, so the host's launch overhead (amortised in a whole model's compiled
     step) is not counted; the median of three runs of `reps` replays."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -257,14 +263,25 @@ class TimingCache:
 
 def cache_key(gemms, recipe: str, compiled: bool, device: torch.device) -> str:
     """The GPU, torch, torchao, the shape (a Gemm, or the Gemms of Linears that read one input),
-    the recipe and whether compiled: what a timing depends on."""
-    import torchao
-
+    the recipe and how it was timed: what a timing depends on."""
     gemms = (gemms,) if isinstance(gemms, Gemm) else tuple(gemms)
     shape = "&".join(g.key() for g in gemms)
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     how = ("compiled" if compiled else "eager") + "+cudagraph"  # how it was timed
-    return f"{gpu}|torch {torch.__version__}|torchao {torchao.__version__}|{shape}|{recipe}|{how}"
+    if compiled and not _static_weights():
+        how = "compiled+dynamic+cudagraph"
+    return f"{machine(device)}|{shape}|{recipe}|{how}"
+
+
+def machine(device: torch.device) -> str:
+    """The GPU, torch and torchao: the start of every cache key timed on this machine."""
+    import torchao
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return f"{gpu}|torch {torch.__version__}|torchao {torchao.__version__}"
+
+
+def _static_weights() -> bool:
+    return os.environ.get("MIXPREC_FP8_PLAN_STATIC") == "1"
 
 
 def measure(
@@ -303,56 +320,131 @@ def measure(
     return {n: plan[n] for n in gemms}
 
 
-def time_in_child(todo: list, compiled: bool, device: torch.device) -> list:
-    """time_gemm (time_group for Linears that read one input) of each (shapes, recipe), in a
-    child process on the same GPU: what the timings
-    leave allocated (65-130 MiB a timing that neither compiler.reset(), the CUDA graph's reset
-    nor gc freed in the training process, measured on an H200) leaves with the child. The
-    child's progress goes to stderr; its answer is the last line of its stdout."""
-    if device.type == "cuda" and device.index is None:  # the child's GPU: this process's
-        device = torch.device("cuda", torch.cuda.current_device())
-    payload = {
-        "compiled": compiled,
-        "device": str(device),
-        "todo": [[[[g.m, g.k, g.n, g.bias] for g in shapes], recipe] for shapes, recipe in todo],
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "mixprec.precision.fp8_plan"],
-        input=json.dumps(payload),
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode or not lines:
-        raise MixprecError(
-            f"precision.fp8_layers=auto: timing the layers failed in its child process "
-            f"(exit {proc.returncode}; its error is above)"
+class Child:
+    """The process the timings run in, on the run's GPU. Started before the data and the model
+    are built (Plugin.warm_up), it imports torch and torchao and compiles a throwaway float8
+    Linear meanwhile (the compile stack's first-use costs: inductor, Triton, its workers), then
+    waits for the shapes on its stdin; `close()` ends it, and so does the training process's
+    end (its stdin closes). A process group of its own, so its compile workers end with it."""
+
+    def __init__(self, device: torch.device, compiled: bool) -> None:
+        if device.type == "cuda" and device.index is None:  # the child's GPU: this process's
+            device = torch.device("cuda", torch.cuda.current_device())
+        setup = json.dumps({"compiled": compiled, "device": str(device)})
+        self.compiled, self.device = compiled, device
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mixprec.precision.fp8_plan", setup],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
-    return json.loads(lines[-1])["us"]
+        self._finalizer = weakref.finalize(self, _end, self.proc)
+
+    def time(self, todo: list) -> list:
+        """Microseconds for each (shapes, recipe) of `todo` (time_gemm; time_group for Linears
+        that read one input), in `todo`'s order. The child's progress goes to stderr."""
+        job = [[[[g.m, g.k, g.n, g.bias] for g in shapes], recipe] for shapes, recipe in todo]
+        try:
+            out, _ = self.proc.communicate(json.dumps({"todo": job}) + "\n")
+        except (BrokenPipeError, OSError):  # it ended before reading: its error is above
+            out = ""
+        finally:
+            self.close()
+        lines = out.strip().splitlines()
+        if self.proc.returncode or not lines:
+            raise MixprecError(
+                f"precision.fp8_layers=auto: timing the layers failed in its child process "
+                f"(exit {self.proc.returncode}; its error is above)"
+            )
+        return json.loads(lines[-1])["us"]
+
+    def close(self) -> None:
+        """End the child (and its compile workers) unless it has ended."""
+        self._finalizer()
+
+
+def _end(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for stream in (proc.stdin, proc.stdout):
+        with contextlib.suppress(OSError):
+            stream.close()
+
+
+def time_in_child(
+    todo: list, compiled: bool, device: torch.device, child: Child | None = None
+) -> list:
+    """Child.time in `child` (one started early) or in a child started now: what the timings
+    leave allocated (65-130 MiB a timing that neither compiler.reset(), the CUDA graph's reset
+    nor gc freed in the training process, measured on an H200) leaves with the child."""
+    return (child or Child(device, compiled)).time(todo)
 
 
 def _child() -> None:
-    """`python -m mixprec.precision.fp8_plan` < {compiled, device, todo}: time each, print
-    {"us": [...]} (time_in_child's other end)."""
-    job = json.loads(sys.stdin.read())
-    device = torch.device(job["device"])
+    """`python -m mixprec.precision.fp8_plan '{compiled, device}'` < {todo}: warm up, then time
+    each (shapes, recipe) of the todo and print {"us": [...]} (Child's other end). Compiled,
+    the weights' shapes are dynamic as the inputs' are: one graph per layer kind (a Linear, or
+    a group of n reading one input) serves every shape, where static weight shapes compiled
+    again for each (3.4-3.9 s a shape on an H200). MIXPREC_FP8_PLAN_STATIC=1 keeps them static
+    (how the two are compared: benchmarks/fp8_plan_cold.py)."""
+    setup = json.loads(sys.argv[1])
+    device, compiled = torch.device(setup["device"]), setup["compiled"]
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    started = time.perf_counter()
+    if compiled and not _static_weights():
+        torch._dynamo.config.force_parameter_static_shapes = False
+    if compiled and device.type == "cuda":
+        _warm_up(device)
+    print(f"fp8 plan: warmed up in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    line = sys.stdin.readline()
+    if not line:  # not needed after all (every timing cached; a resumed plan)
+        return
+    todo = json.loads(line)["todo"]
     out = []
-    for i, (shapes, recipe) in enumerate(job["todo"]):
+    for i, (shapes, recipe) in enumerate(todo):
         started = time.perf_counter()
         gemms = tuple(Gemm(*g) for g in shapes)
         if len(gemms) == 1:
-            out.append(time_gemm(gemms[0], recipe, job["compiled"], device))
+            out.append(time_gemm(gemms[0], recipe, compiled, device))
         else:
-            out.append(time_group(gemms, recipe, job["compiled"], device))
+            out.append(time_group(gemms, recipe, compiled, device))
         print(
-            f"fp8 plan: {i + 1}/{len(job['todo'])} {'&'.join(g.key() for g in gemms)} {recipe}: "
+            f"fp8 plan: {i + 1}/{len(todo)} {'&'.join(g.key() for g in gemms)} {recipe}: "
             f"{out[-1]:.1f} us ({time.perf_counter() - started:.1f}s)",
             file=sys.stderr,
             flush=True,
         )
     print(json.dumps({"us": out}), flush=True)
+
+
+class _Warm(nn.Module):
+    """A model of its own (its own compiled graph, so the timed graphs' kernels are not sized
+    for its shape): compiling it pays the compile stack's first-use costs early."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.layer = nn.Linear(256, 256, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+def _warm_up(device: torch.device) -> None:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    warm = convert_to_float8_training(
+        _Warm(device), config=Float8LinearConfig.from_recipe_name("tensorwise")
+    )
+    run = torch.compile(warm, dynamic=False)
+    x = torch.randn(256, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        y = run(x)
+    y.sum().backward()
+    torch.cuda.synchronize(device)
 
 
 def table(plan: dict[str, Choice], candidates: list[str]) -> str:

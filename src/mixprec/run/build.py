@@ -99,6 +99,8 @@ def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> 
     seed_everything(c.seed + dd.rank)  # DDP copies rank 0's initial weights to every rank
     prec = new_precision(c, device)
     layout = layouts.resolve(c, hw, device, dd.world, prec, lambda: probes(c, device))
+    if saved_plan(c) is None:
+        prec.warm_up(device, c.model.compile)  # fp8_auto: its timing process, meanwhile
     load = lambda batch: datasets.build(  # noqa: E731
         c.data,
         datasets.Context(
