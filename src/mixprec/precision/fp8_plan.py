@@ -16,8 +16,7 @@ second start with the same shapes measures nothing.
 
 The timings run in a child process on the same GPU (Child), started before the data and the
 model are built so that the compile stack's first use (inductor, Triton, its workers) overlaps
-them, with the weights' shapes dynamic so that one compiled graph times every shape of a kind
-(MIXPREC_FP8_PLAN_STATIC=1: compiled again for each shape, as before). Each timing leaves 65-130
+them. Each timing leaves 65-130
 MiB allocated that neither torch.compiler.reset(), the graph's reset nor gc frees in-process
 (benchmarks/fp8_plan_leak.py shows it; measured on an H200, 2026-12-02), and a cold-cache
 fp8_auto run planned in-process peaked 0.8-1.1 GiB above bf16; in a child, that memory leaves
@@ -110,8 +109,9 @@ def layer_gemms(
 def time_gemm(g: Gemm, recipe: str, compiled: bool, device: torch.device, reps: int = 20) -> float:
     """Microseconds of GPU time for one forward + backward of a Linear of shape `g` under bf16
     autocast: nn.Linear (recipe 'bf16': cuBLAS's GEMMs, eager) or torchao's Float8Linear with
-    that recipe (compiled with dynamic shapes when the run compiles: in the timing child, one
-    graph serves every shape of a layer kind). The step is captured in a CUDA
+    that recipe (compiled when the run compiles, for this shape, as the run's model is: timed
+    with dynamic shapes, one graph for every shape, the float8 layers ran 14-29 % slower on an
+    H200). The step is captured in a CUDA
     graph and replayed, so the host's launch overhead (amortised in a whole model's compiled
     step) is not counted; the median of three runs of `reps` replays."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -121,7 +121,7 @@ def time_gemm(g: Gemm, recipe: str, compiled: bool, device: torch.device, reps: 
     if recipe != BF16:
         config = Float8LinearConfig.from_recipe_name(recipe)
         layer = convert_to_float8_training(layer, config=config)
-        run = torch.compile(layer, dynamic=True) if compiled else layer
+        run = torch.compile(layer, dynamic=False) if compiled else layer
     x = torch.randn(g.m, g.k, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(g.m, g.n, device=device, dtype=torch.bfloat16)
 
@@ -146,7 +146,7 @@ def time_group(
     if recipe != BF16:
         config = Float8LinearConfig.from_recipe_name(recipe)
         fan = convert_to_float8_training(fan, config=config)
-        run = torch.compile(fan, dynamic=True) if compiled else fan
+        run = torch.compile(fan, dynamic=False) if compiled else fan
     x = torch.randn(gemms[0].m, gemms[0].k, device=device, dtype=torch.bfloat16)
     x.requires_grad_()
     dys = [torch.randn(g.m, g.n, device=device, dtype=torch.bfloat16) for g in gemms]
@@ -266,9 +266,7 @@ def cache_key(gemms, recipe: str, compiled: bool, device: torch.device) -> str:
     the recipe and how it was timed: what a timing depends on."""
     gemms = (gemms,) if isinstance(gemms, Gemm) else tuple(gemms)
     shape = "&".join(g.key() for g in gemms)
-    how = ("compiled" if compiled else "eager") + "+cudagraph"  # how it was timed
-    if compiled and not _static_weights():
-        how = "compiled+dynamic+cudagraph"
+    how = ("compiled-static" if compiled else "eager") + "+cudagraph"  # how it was timed
     return f"{machine(device)}|{shape}|{recipe}|{how}"
 
 
@@ -278,10 +276,6 @@ def machine(device: torch.device) -> str:
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return f"{gpu}|torch {torch.__version__}|torchao {torchao.__version__}"
-
-
-def _static_weights() -> bool:
-    return os.environ.get("MIXPREC_FP8_PLAN_STATIC") == "1"
 
 
 def measure(
@@ -385,18 +379,12 @@ def time_in_child(
 
 def _child() -> None:
     """`python -m mixprec.precision.fp8_plan '{compiled, device}'` < {todo}: warm up, then time
-    each (shapes, recipe) of the todo and print {"us": [...]} (Child's other end). Compiled,
-    the weights' shapes are dynamic as the inputs' are: one graph per layer kind (a Linear, or
-    a group of n reading one input) serves every shape, where static weight shapes compiled
-    again for each (3.4-3.9 s a shape on an H200). MIXPREC_FP8_PLAN_STATIC=1 keeps them static
-    (how the two are compared: benchmarks/fp8_plan_cold.py)."""
+    each (shapes, recipe) of the todo and print {"us": [...]} (Child's other end)."""
     setup = json.loads(sys.argv[1])
     device, compiled = torch.device(setup["device"]), setup["compiled"]
     if device.type == "cuda":
         torch.cuda.set_device(device)
     started = time.perf_counter()
-    if compiled and not _static_weights():
-        torch._dynamo.config.force_parameter_static_shapes = False
     if compiled and device.type == "cuda":
         _warm_up(device)
     print(f"fp8 plan: warmed up in {time.perf_counter() - started:.1f}s", file=sys.stderr)
@@ -408,6 +396,7 @@ def _child() -> None:
     for i, (shapes, recipe) in enumerate(todo):
         started = time.perf_counter()
         gemms = tuple(Gemm(*g) for g in shapes)
+        torch.compiler.reset()  # each shape its own graph: no recompile limit to reach
         if len(gemms) == 1:
             out.append(time_gemm(gemms[0], recipe, compiled, device))
         else:
