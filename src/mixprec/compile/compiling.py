@@ -6,11 +6,14 @@ model.cuda_graphs, forward and backward captured once and replayed."""
 from __future__ import annotations
 
 import logging
+import os
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from mixprec.core import files
 from mixprec.core.errors import ConfigError
 from mixprec.internals import inductor_fix, tuning_ahead, tuning_policy
 from mixprec.models import ModelConfig, blocks_of, unwrap
@@ -52,6 +55,49 @@ def compiled(model: nn.Module, mcfg: ModelConfig) -> nn.Module:
         time.perf_counter() - t0,
     )
     return model
+
+
+def load_cache(path: str | None) -> None:
+    """model.compile_cache: the compiled and tuned kernels of an earlier run
+    (torch.compiler.save_cache_artifacts: inductor's graphs, Triton's binaries, the autotuning
+    results), loaded into this process's caches before anything compiles. No file yet: this run
+    writes it at its end (save_cache). torch checks that the artifacts match its version, Triton
+    and the GPU; a file that does not load is a warning, and the run compiles as without it."""
+    if not path or not os.path.isfile(os.path.expanduser(path)):
+        if path:
+            log.info("model.compile_cache: %s does not exist yet; this run will write it", path)
+        return
+    t0 = time.perf_counter()
+    try:
+        info = torch.compiler.load_cache_artifacts(Path(path).expanduser().read_bytes())
+    except Exception as e:  # noqa: BLE001 (a stale or foreign file must not stop the run)
+        log.warning("model.compile_cache: %s did not load (%s); compiling from scratch", path, e)
+        return
+    what = {k: len(v) for k, v in getattr(info, "artifacts", {}).items() if v}
+    if not what:  # torch reads a file of another version, or not of artifacts, as nothing
+        log.warning(
+            "model.compile_cache: %s did not load (no artifacts this torch, Triton and GPU "
+            "can use); compiling from scratch",
+            path,
+        )
+        return
+    log.info("model.compile_cache: loaded %s in %.1fs: %s", path, time.perf_counter() - t0, what)
+
+
+def save_cache(path: str | None) -> None:
+    """model.compile_cache after a completed run: what this process compiled and tuned, written
+    where the next run (on this machine, or another with the same GPU, torch and Triton) loads
+    it; an existing file is kept (the run loaded it)."""
+    if not path or os.path.exists(os.path.expanduser(path)):
+        return
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        log.info("model.compile_cache: nothing compiled to save")
+        return
+    target = Path(path).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    files.write_atomic(target, saved[0])
+    log.info("model.compile_cache: %.1f MB of compiled kernels -> %s", len(saved[0]) / 1e6, path)
 
 
 def compile_kwargs(mode: str | None, options: dict) -> dict:

@@ -63,6 +63,7 @@ class ModelConfig:
     compile_mode: Optional[str] = MISSING  # torch.compile mode: null, reduce-overhead, max-autotune
     compile_options: Dict[str, Any] = MISSING  # inductor options on top of the mode
     compile_scope: str = MISSING  # model: one graph; blocks: each repeated block (compiles faster)
+    compile_cache: Optional[str] = MISSING  # torch.compiler's cache artifacts (a file), or null
     cuda_graphs: bool = (
         MISSING  # capture forward+backward once, replay it (static shapes, GPU only)
     )

@@ -101,6 +101,8 @@ def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> 
     layout = layouts.resolve(c, hw, device, dd.world, prec, lambda: probes(c, device))
     if saved_plan(c) is None:
         prec.warm_up(device, c.model.compile)  # fp8_auto: its timing process, meanwhile
+    if c.model.compile:
+        compiling.load_cache(c.model.compile_cache)  # before anything compiles
     load = lambda batch: datasets.build(  # noqa: E731
         c.data,
         datasets.Context(

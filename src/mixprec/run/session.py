@@ -19,6 +19,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from mixprec import sinks
 from mixprec.checkpoint import store as checkpoint
+from mixprec.compile import compiling
 from mixprec.core import files, hardware, launch
 from mixprec.core.errors import (
     CheckpointError,
@@ -341,6 +342,8 @@ class Session:
         if self.p.config.ckpt.at_end:
             self._save(state)
         self.status = "completed"
+        if self.p.config.model.compile and self.p.dist.main:
+            compiling.save_cache(self.p.config.model.compile_cache)
 
     def _forced(self, signum: int) -> None:
         """A stop signal with no step boundary in time: the summary, then the process exits."""
