@@ -1,6 +1,5 @@
 """How long a process that started worker pools keeps running after its final line, against
-one that started none: mixprec's tuning workers (src/mixprec/internals/tuning_workers.py) and inductor's
-compile workers (the sidecar and pool inductor starts to compile Triton kernels; on a CPU
+one that started none: inductor's compile workers (the sidecar and pool inductor starts to compile Triton kernels; on a CPU
 nothing starts it, so the child does). Each a fresh process that imports torch, starts the
 pool, prints its final line and exits through train.py's quick exit; timed until its stdout
 closes (every process holding it has ended) and it has exited, as `train.py | tee log` or a
@@ -30,14 +29,7 @@ def child(pool: str, workers: int) -> None:
     quick_exit.install()
     import torch  # noqa: F401  (what the trainer holds)
 
-    from mixprec.internals import tuning_workers
-
-    if pool == "tuning":
-        os.environ[tuning_workers.ENV] = str(workers)
-        tuning_workers.start()
-        while tuning_workers.get() is None:
-            time.sleep(0.05)
-    elif pool == "inductor":
+    if pool == "inductor":
         from torch._inductor import async_compile, config
 
         config.compile_threads = workers
@@ -68,7 +60,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.child is not None:
         return child(a.child, a.workers)
-    rows = {p: [one(p, a.workers) for _ in range(a.repeat)] for p in ("none", "tuning", "inductor")}
+    rows = {p: [one(p, a.workers) for _ in range(a.repeat)] for p in ("none", "inductor")}
     out = {p: round(statistics.median(t), 3) for p, t in rows.items()}
     print(json.dumps({"exit_after_final_line_s (median)": out, "workers": a.workers}))
 

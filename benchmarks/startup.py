@@ -6,9 +6,9 @@ from summary.json, and times the gap between the run's final line and the proces
 
     python3 benchmarks/startup.py                                  # experiment=fast, cold then warm
     python3 benchmarks/startup.py --runs warm --args experiment=fast precision=bf16
-    python3 benchmarks/startup.py --trace outputs/bench/trace   # + where the tuning's time goes
-    MIXPREC_TUNING_WORKERS=0 python3 benchmarks/startup.py --runs cold   # tuning compiles in line
-    MIXPREC_TUNING_MIN_MS=0 python3 benchmarks/startup.py --runs cold    # every kernel tuned
+    python3 benchmarks/startup.py --runs cold --cache /tmp/c1 --args experiment=fast model.compile_cache=/tmp/fast.bin
+    python3 benchmarks/startup.py --runs cold --cache /tmp/c2 --args experiment=fast model.compile_cache=/tmp/fast.bin
+        # the second: a new machine (inductor's cache empty) given the first run's kernels
 
 Python's own bytecode counts too: where the image has none (PYTHONDONTWRITEBYTECODE, as on the
 GPU machines here), compile it first as an install would, e.g.
@@ -34,13 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("first_step_s", "compile_s", "compile_first_step_s", "tune_s", "samples_per_s", "wall_s")
 
 
-def one(
-    args: list[str], env: dict, timeout: float, trace: Path | None = None, log: Path | None = None
-) -> dict:
+def one(args: list[str], env: dict, timeout: float, log: Path | None = None) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="mixprec-startup-"))
     cmd = [sys.executable, "-u", str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"]
-    if trace is not None:  # benchmarks/tuning_trace.py: one line per tuned kernel
-        cmd[2:2] = [str(ROOT / "benchmarks" / "tuning_trace.py"), str(trace)]
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -87,7 +83,6 @@ def main() -> None:
     ap.add_argument("--runs", nargs="*", default=["cold", "warm"], choices=("cold", "warm"))
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "mixprec-startup")
     ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--trace", type=Path, help="write DIR/<run>.jsonl (benchmarks/tuning_trace.py)")
     ap.add_argument("--logs", type=Path, help="keep each run's train.log as DIR/<run>.log")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "startup.json")
     a = ap.parse_args()
@@ -105,8 +100,6 @@ def main() -> None:
         "torch": torch.__version__,
         "args": a.args,
         "cpus": os.cpu_count(),
-        "tuning_workers": os.environ.get("MIXPREC_TUNING_WORKERS", "default"),
-        "tuning_min_ms": os.environ.get("MIXPREC_TUNING_MIN_MS", "default"),
         # whether torch's modules load from cached bytecode, as after a pip or conda install
         # (an image built with PYTHONDONTWRITEBYTECODE compiles every module at each start:
         # 10.6 s of a warm run on the H200 machine, benchmarks/RESULTS.md)
@@ -116,8 +109,8 @@ def main() -> None:
     for kind in a.runs:
         if kind == "cold":
             shutil.rmtree(a.cache, ignore_errors=True)
-        trace, log = per_run(a.trace, f"{kind}.jsonl"), per_run(a.logs, f"{kind}.log")
-        rows.append({"run": kind, **one(a.args, env, a.timeout, trace, log)})
+        log = per_run(a.logs, f"{kind}.log")
+        rows.append({"run": kind, **one(a.args, env, a.timeout, log)})
         print(json.dumps(rows[-1]), flush=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -390,30 +390,6 @@ def test_the_doctor_names_the_planted_layer_of_a_compiled_model_on_the_gpu(cfg_f
     assert s["doctor"][0]["module"] == "1.amplifier" and s["doctor"][0]["where"] == "backward"
 
 
-def test_tuning_ahead_compiles_the_walks_candidates_in_workers(monkeypatch, tmp_path):
-    """Coordinate-descent tuning on a fresh cache with workers compiling ahead: kernels queue
-    their first rounds when inductor compiles them, the walk finds candidates already
-    compiled, and the tuned model computes what the eager one does."""
-    from mixprec.internals import tuning_ahead, tuning_workers
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    monkeypatch.setenv(tuning_workers.ENV, "4")
-    assert tuning_ahead.apply()
-    monkeypatch.setattr(tuning_workers, "_pool", [None])
-    tuning_workers._start(then=tuning_ahead._pump)  # up before the first kernel is compiled
-    before = dict(tuning_ahead.stats)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(1024, 1024), torch.nn.LayerNorm(1024), torch.nn.GELU()
-    ).cuda()
-    x = torch.randn(65536, 1024, device="cuda")
-    tuned = torch.compile(model, options={"coordinate_descent_tuning": True})
-    torch.testing.assert_close(tuned(x), model(x), rtol=1e-4, atol=1e-4)
-    grew = {k: tuning_ahead.stats[k] - before[k] for k in before}
-    assert grew["kernels"] >= 1 and grew["ready"] >= 1 and grew["early"] >= 1, grew
-    tuning_workers.stop(tuning_workers.get() or pytest.fail("the pool stopped early"))
-
-
 def test_fsdp_on_one_gpu_trains_like_the_unsharded_run_and_gathers_fp8_weights_in_fp8(
     cfg_factory, tmp_path, caplog
 ):

@@ -19,7 +19,6 @@ from mixprec import models
 from mixprec.compile import compiling
 from mixprec.core.errors import ConfigError
 from mixprec.data.loaders import prefetch, prefetch_in_thread
-from mixprec.internals import tuning_policy
 from mixprec.optim import optimizers as optim
 from mixprec.run import session as run
 from mixprec.run.config import validate
@@ -100,59 +99,6 @@ def test_the_fast_preset_tunes_its_kernels_and_the_tuning_can_be_switched_off(cf
         ]["coordinate_descent_tuning"]
         is False
     )
-
-
-class Probe(torch.nn.Module):
-    """Records, from inside its forward (run eagerly: a graph break), whether a kernel launched
-    there would be tuned: tuning_ahead's untuned state."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin, self.seen = torch.nn.Linear(4, 4), []
-
-    @torch._dynamo.disable
-    def look(self):
-        self.seen.append((self.training, tuning_policy.untuned_now()))
-
-    def forward(self, x):
-        self.look()
-        return self.lin(x).relu()
-
-
-@pytest.mark.parametrize("scope", ["model", "blocks"])
-@pytest.mark.slow
-def test_an_evaluating_model_launches_its_kernels_untuned_and_training_tunes(cfg_factory, scope):
-    """With coordinate-descent tuning on, kernels first launched by the compiled model in eval
-    mode keep inductor's starting config (the first evaluation of experiment=fast spent ~14 s
-    tuning on an H200): untuned while it evaluates (also after an error there), tuned while it
-    trains, for the whole compiled model and for compiled blocks."""
-    from mixprec.compile.compiling import compiled
-
-    torch._dynamo.reset()
-    c = validate(
-        cfg_factory("experiment=fast", f"model.compile_scope={scope}", "model.compile_mode=null")
-    )
-    probe = Probe()
-    blocks = [torch.nn.Sequential(torch.nn.Linear(4, 4)) for _ in range(2)]
-    model = torch.nn.Sequential(probe, torch.nn.Sequential(*blocks))
-    model = compiled(model, c.model)
-    x = torch.randn(2, 4)
-    model(x)
-    model.eval()
-    with torch.no_grad():
-        model(x)
-        with pytest.raises(RuntimeError):
-            model(torch.randn(2, 5))  # fails inside the forward: the state must not stick
-    model.train()
-    model(x)
-    assert probe.seen == [(True, False), (False, True), (False, True), (True, False)]
-    assert tuning_policy._untuned[0] == 0
-    off = validate(
-        cfg_factory("experiment=fast", "model.compile_options.coordinate_descent_tuning=false")
-    )
-    probe.seen.clear()
-    compiled(torch.nn.Sequential(probe), off.model).eval()(x)
-    assert probe.seen == [(False, False)]  # no tuning asked for: nothing to skip
 
 
 def test_compile_options_are_unused_not_an_error_without_compile(cfg_factory, caplog):

@@ -15,7 +15,7 @@ from torch import nn
 
 from mixprec.core import files
 from mixprec.core.errors import ConfigError
-from mixprec.internals import inductor_fix, tuning_ahead, tuning_policy
+from mixprec.internals import inductor_fix
 from mixprec.models import ModelConfig, blocks_of, unwrap
 from mixprec.models.parts import repeated_blocks  # noqa: F401  (tests and benchmarks use it here)
 
@@ -34,7 +34,6 @@ def compiled(model: nn.Module, mcfg: ModelConfig) -> nn.Module:
             )
         return model
     inductor_fix.apply()  # torch <= 2.11: a warm start would tune every kernel again
-    tuning_ahead.apply()  # coordinate-descent tuning's candidates compiled in parallel
     t0 = time.perf_counter()
     if mcfg.compile_scope == "blocks":
         blocks = compile_blocks(
@@ -44,8 +43,6 @@ def compiled(model: nn.Module, mcfg: ModelConfig) -> nn.Module:
     else:
         model = compile_model(model, mcfg.compile_mode, dict(mcfg.compile_options))
         what = "the model"
-    if mcfg.compile_options.get("coordinate_descent_tuning"):
-        untuned_while_evaluating(model if mcfg.compile_scope == "model" else unwrap(model))
     log.info(
         "model.compile: torch.compile(mode=%s, options=%s) wraps %s in %.1fs; the first "
         "steps compile (excluded from samples_per_s by trainer.perf_warmup_steps)",
@@ -120,24 +117,6 @@ def compile_model(model: nn.Module, mode: str | None, options: dict) -> nn.Modul
             f"model.compile_options: {str(e).split(', known options')[0]} "
             "(allowed: the keys of torch._inductor.config)"
         ) from None
-
-
-def untuned_while_evaluating(model: nn.Module) -> None:
-    """Kernels first launched while `model` (called eagerly: the compiled wrapper, or the
-    model whose blocks are compiled) runs in eval mode skip coordinate-descent tuning
-    (tuning_policy.begin_untuned): an evaluation's kernels are a small share of a run's time,
-    and tuning them cost ~14 s of experiment=fast's cold start on an H200."""
-
-    def before(m: nn.Module, args) -> None:
-        if not m.training:
-            tuning_policy.begin_untuned()
-
-    def after(m: nn.Module, args, out) -> None:
-        if not m.training:
-            tuning_policy.end_untuned()
-
-    model.register_forward_pre_hook(before)
-    model.register_forward_hook(after, always_call=True)
 
 
 def compile_blocks(model: nn.Module, name: str, mode: str | None, options: dict) -> list[nn.Module]:

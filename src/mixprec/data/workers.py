@@ -60,8 +60,8 @@ def start_method():
             ".".join(map(str, PYTHON)),
         )
     # the server imports what train.py imports once; each worker then starts in milliseconds,
-    # as a forked one does (a worker that imports them itself: a 4 s CPU run took 110 s). The
-    # server is the one tuning_workers' pool uses too: its preloads are kept.
+    # as a forked one does (a worker that imports them itself: a 4 s CPU run took 110 s). A
+    # server started before (with its own preloads) keeps them.
     from multiprocessing import forkserver
 
     kept = getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", ["__main__"])

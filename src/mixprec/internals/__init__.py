@@ -1,12 +1,13 @@
 """Patches of torch's and CPython's private internals, all in one place: each reads or changes
 state that no public API exposes, so each is version-gated or switchable (docs/architecture.md
 lists them with what they buy and the versions they were measured on). inductor_fix.py: a warm
-start must not re-tune cached kernels; tuning_ahead.py, tuning_policy.py, tuning_workers.py:
-coordinate-descent tuning compiled ahead in worker processes; quick_exit.py: exit without the
-interpreter's teardown once the final line is written.
+start must not re-tune cached kernels; quick_exit.py: exit without the interpreter's teardown
+once the final line is written. (tuning_ahead, coordinate-descent tuning compiled ahead in
+worker processes, is gone: model.compile_cache, torch's own cache artifacts, starts a new
+machine 104 s sooner, benchmarks/RESULTS.md.)
 
 Each is switched off by naming it in MIXPREC_PATCHES_OFF (comma-separated: inductor_fix,
-tuning_ahead, quick_exit; `all` for every one), so that what it buys can be measured side by side
+quick_exit; `all` for every one), so that what it buys can be measured side by side
 and a torch it breaks can still run. And each is gated by version (GATES): on a torch (or, for
 quick_exit, a Python) it was not written and tested for, it does nothing and says so once.
 
@@ -21,13 +22,12 @@ import sys
 
 log = logging.getLogger("mixprec")
 SWITCH = "MIXPREC_PATCHES_OFF"
-PATCHES = ("inductor_fix", "tuning_ahead", "quick_exit")
+PATCHES = ("inductor_fix", "quick_exit")
 # the versions each patch was written and tested for (major.minor): measured on the GPU with torch
 # 2.11, tested on the CPU with 2.11 (CI's minimum) and 2.14 (CI); inductor's bug that
 # inductor_fix mends was fixed upstream after 2.11
 GATES = {
     "inductor_fix": ("torch", ("2.11",)),
-    "tuning_ahead": ("torch", ("2.11", "2.12", "2.13", "2.14")),
     "quick_exit": ("python", ("3.11", "3.12", "3.13")),
 }
 _said: set[str] = set()
