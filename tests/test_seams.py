@@ -335,3 +335,24 @@ def test_an_optimizer_defined_outside_src_trains_and_resumes(cfg_factory):
         run.run(bad)
     with pytest.raises(ConfigError, match="optimizer.target=None is not allowed"):
         validate(cfg_factory("optimizer=own"))
+
+
+def test_the_layout_and_the_data_dealing_use_the_strategys_data_parallel_size(
+    cfg_factory, monkeypatch
+):
+    """A strategy whose ranks are not all data-parallel (as tensor parallel would be) says so in
+    data_parallel(); the effective batch and the samples each rank is dealt follow it, not the
+    world. Here, in a world of one process, a strategy that calls it rank 1 of 2: the effective
+    batch doubles, and the rank trains on half the samples (half the steps of an epoch)."""
+    from mixprec.parallel import strategy
+
+    class HalfOfTwo(strategy.DDP):
+        def data_parallel(self, dd):
+            return 1, 2
+
+    args = ("batch=32", "trainer.epochs=1", "trainer.min_steps=0")
+    alone = run.run(cfg_factory(*args))
+    monkeypatch.setitem(strategy.STRATEGIES, "ddp", HalfOfTwo())
+    half = run.run(cfg_factory(*args))
+    assert alone["effective_batch"] == 32 and half["effective_batch"] == 64
+    assert half["steps"] == alone["steps"] // 2 or half["steps"] == (alone["steps"] + 1) // 2

@@ -8,10 +8,13 @@
 - `checkpoints_by_name`: is the optimizer state saved keyed by parameter name (fits any world)?
 - `check(...)`: what it cannot run with, named before anything is built (ConfigError);
 - `wrap(model, ...)`: the model made parallel, after the precision's conversion and before
-  compile; the optimizer is built over what it returns.
-The data-parallel size is the world for both (every rank sees its own samples); a strategy that
-splits a model across ranks (tensor parallel) would say otherwise here. Adding one is a class
-here, a YAML in conf/parallel/, and its test.
+  compile; the optimizer is built over what it returns;
+- `data_parallel(dd)`: this rank's place among the ranks that see different samples, and how
+  many there are: the layout's effective batch and the data's dealing use it (build.py), not
+  the world. Both strategies here are data-parallel over the whole world; one that splits the
+  model across ranks (tensor parallel: ranks of one group see the same samples) says otherwise
+  here. MFU still divides by the world: every GPU shares each sample's FLOPs.
+Adding one is a class here, a YAML in conf/parallel/, and its test.
 """
 
 from __future__ import annotations
@@ -21,7 +24,15 @@ from torch import nn
 from mixprec.parallel import distributed, sharding
 
 
-class DDP:
+class Strategy:
+    """What every strategy here shares: each rank its own samples."""
+
+    def data_parallel(self, dd) -> tuple[int, int]:
+        """(this rank's data-parallel rank, the data-parallel size)."""
+        return dd.rank, dd.world
+
+
+class DDP(Strategy):
     """parallel=ddp: the whole model on every rank, gradients all-reduced (torch's DDP)."""
 
     name = "ddp"
@@ -36,7 +47,7 @@ class DDP:
         return distributed.wrap(model, dd, device)
 
 
-class FSDP2:
+class FSDP2(Strategy):
     """parallel=fsdp: each block and the root sharded (sharding.py), a world of one too."""
 
     name = "fsdp"
@@ -56,6 +67,6 @@ class FSDP2:
 STRATEGIES = {s.name: s for s in (DDP(), FSDP2())}
 
 
-def of(pcfg) -> DDP | FSDP2:
+def of(pcfg) -> Strategy:
     """The strategy `parallel.strategy` names (ParallelConfig validated the name)."""
     return STRATEGIES[pcfg.strategy]

@@ -98,7 +98,8 @@ def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> 
     process.apply(process_settings(c, hw), device)
     seed_everything(c.seed + dd.rank)  # DDP copies rank 0's initial weights to every rank
     prec = new_precision(c, device)
-    layout = layouts.resolve(c, hw, device, dd.world, prec, lambda: probes(c, device))
+    dp_rank, dp_size = strategy.of(c.parallel).data_parallel(dd)  # who sees which samples
+    layout = layouts.resolve(c, hw, device, dp_size, prec, lambda: probes(c, device))
     if saved_plan(c) is None:
         prec.warm_up(device, c.model.compile)  # fp8_auto: its timing process, meanwhile
     if c.model.compile:
@@ -110,8 +111,8 @@ def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> 
             device,
             c.seed,
             c.model.channels_last,
-            dd.rank,
-            dd.world,
+            dp_rank,
+            dp_size,
             datasets.Workers(hw.num_workers, hw.pin_memory, hw.persistent_workers),
         ),
     )

@@ -28,7 +28,7 @@ class Layout:
 
     batch: int  # micro-batch per process
     accum: int  # micro-batches per optimizer step
-    world: int  # processes
+    world: int  # data-parallel ranks (the strategy's data_parallel size: the world for DDP/FSDP2)
     max_batch: int | None = None  # the largest micro-batch that trained (batch=auto)
     why: dict | None = None  # batch=auto: per-sample and fixed memory (batch_size.explain)
 
