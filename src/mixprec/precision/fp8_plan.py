@@ -10,7 +10,7 @@ model decide), bf16 otherwise. When the run compiles, Linears that read one inpu
 (attention's q, k, v; SwiGLU's w1, w3) are timed together and go float8 together or not at all:
 the compiled model casts their input once for all of them, which a timing of each alone charges
 to each (on Llama-3-8B's layers, wk and wv alone stayed bf16 and the plan ended 1.2 % under
-uniform fp8; the group timing is not yet measured on a GPU). The
+uniform fp8; timed with wq, every layer goes float8, as in uniform fp8: H200, 2026-12-02). The
 timings are cached per (GPU, torch, torchao, shape, recipe, compiled) in one JSON file, so a
 second start with the same shapes measures nothing.
 
@@ -109,10 +109,9 @@ def layer_gemms(
 def time_gemm(g: Gemm, recipe: str, compiled: bool, device: torch.device, reps: int = 20) -> float:
     """Microseconds of GPU time for one forward + backward of a Linear of shape `g` under bf16
     autocast: nn.Linear (recipe 'bf16': cuBLAS's GEMMs, eager) or torchao's Float8Linear with
-    that recipe (compiled when the run compiles, for this shape, as the run's model is: timed
-    with dynamic shapes, one graph for every shape, the float8 layers ran 14-29 % slower on an
-    H200). The step is captured in a CUDA
-    graph and replayed, so the host's launch overhead (amortised in a whole model's compiled
+    that recipe (compiled for this shape when the run compiles, as the run's blocks are; compiled
+    once with dynamic shapes for every shape, float8 layers timed 14-29 % slower on an H200).
+    The step is captured in a CUDA graph and replayed, so the host's launch overhead (amortised in a whole model's compiled
     step) is not counted; the median of three runs of `reps` replays."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -325,7 +324,6 @@ class Child:
         if device.type == "cuda" and device.index is None:  # the child's GPU: this process's
             device = torch.device("cuda", torch.cuda.current_device())
         setup = json.dumps({"compiled": compiled, "device": str(device)})
-        self.compiled, self.device = compiled, device
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mixprec.precision.fp8_plan", setup],
             stdin=subprocess.PIPE,
@@ -411,8 +409,9 @@ def _child() -> None:
 
 
 class _Warm(nn.Module):
-    """A model of its own (its own compiled graph, so the timed graphs' kernels are not sized
-    for its shape): compiling it pays the compile stack's first-use costs early."""
+    """A small float8 Linear compiled before the shapes arrive: the compile stack's first-use
+    costs (inductor, Triton, its worker pool, the float8 GEMM's first launch) are paid while the
+    training process builds its data and model."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
