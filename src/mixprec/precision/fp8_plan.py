@@ -111,8 +111,9 @@ def time_gemm(g: Gemm, recipe: str, compiled: bool, device: torch.device, reps: 
     autocast: nn.Linear (recipe 'bf16': cuBLAS's GEMMs, eager) or torchao's Float8Linear with
     that recipe (compiled for this shape when the run compiles, as the run's blocks are; compiled
     once with dynamic shapes for every shape, float8 layers timed 14-29 % slower on an H200).
-    The step is captured in a CUDA graph and replayed, so the host's launch overhead (amortised in a whole model's compiled
-    step) is not counted; the median of three runs of `reps` replays."""
+    The step is captured in a CUDA graph and replayed, so the host's launch overhead
+    (amortised in a whole model's compiled step) is not counted; the median of three runs of
+    `reps` replays."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     layer = nn.Sequential(nn.Linear(g.k, g.n, bias=g.bias, device=device))
