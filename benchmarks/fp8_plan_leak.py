@@ -27,7 +27,7 @@ def main() -> None:
     print("start", allocated_mib())
     for g in [fp8_plan.Gemm(25216, 768, 3072, True), fp8_plan.Gemm(25216, 3072, 768, True)]:
         for recipe in ("bf16", "tensorwise"):
-            us = fp8_plan.time_gemm(g, recipe, True, dev)
+            us = fp8_plan.time_gemm((g,), recipe, True, dev)
             gc.collect()
             print(g, recipe, f"{us:.1f} us; allocated MiB after: {allocated_mib():.1f}")
     torch.compiler.reset()

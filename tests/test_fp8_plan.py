@@ -189,17 +189,53 @@ def test_the_cache_key_changes_with_each_input(monkeypatch):
 
 
 class FakeChild:
-    started: list = []
+    """Child's protocol in-process: a share sent, compiled ("ready"), then timed on "go"; it
+    records the order of events across children in `events`."""
 
-    def __init__(self, device, compiled):
-        self.closed = False
+    started: list = []
+    events: list = []
+
+    def __init__(self, device, compiled, threads=None):
+        self.closed, self.share = False, None
         FakeChild.started.append(self)
 
-    def time(self, todo):
-        return fake_timer([])(todo)
+    def send(self, todo):
+        self.share = todo
+        FakeChild.events.append(("send", self))
+
+    def ready(self):
+        FakeChild.events.append(("ready", self))
+
+    def results(self):
+        FakeChild.events.append(("go", self))
+        self.closed = True
+        return fake_timer([])(self.share)
 
     def close(self):
         self.closed = True
+
+
+def test_the_children_compile_their_shares_at_once_and_time_them_one_after_another():
+    """time_in_child deals the float8 timings (each a compile) round the children first, sends
+    every share before any is timed, times one child at a time only after all are ready, and
+    gives the answers back in the order asked; a child with nothing to do is ended unused."""
+    wide, narrow = Gemm(16, 64, 256, True), Gemm(16, 64, 16, True)
+    todo = [((g,), r) for g in (wide, narrow) for r in (BF16, "tensorwise", "rowwise")]
+    assert sorted(i for share in fp8_plan.deal(todo, 4) for i in share) == list(range(6))
+    assert [len([i for i in share if todo[i][1] != BF16]) for share in fp8_plan.deal(todo, 4)] == [
+        1,
+        1,
+        1,
+        1,
+    ]
+    FakeChild.started, FakeChild.events = [], []
+    kids = [FakeChild(None, True) for _ in range(8)]  # more children than timings
+    us = fp8_plan.time_in_child(todo, True, torch.device("cuda"), kids)
+    assert us == fake_timer([])(todo)  # each answer in its place
+    kinds = [kind for kind, _ in FakeChild.events]
+    assert kinds == ["send"] * 6 + ["ready"] * 6 + ["go"] * 6  # no timing before all compiled
+    idle = kids[6:]
+    assert all(c.share is None for c in idle) and all(c.closed for c in FakeChild.started)
 
 
 def test_the_timing_process_starts_early_only_where_the_cache_lacks_this_gpu(monkeypatch, tmp_path):
@@ -208,16 +244,18 @@ def test_the_timing_process_starts_early_only_where_the_cache_lacks_this_gpu(mon
     (a resumed plan). A cache with this GPU's timings, fp8_layers=all or the CPU: no child."""
     cuda = torch.device("cuda")
     monkeypatch.setattr(fp8_plan, "Child", FakeChild)
+    monkeypatch.setattr(fp8_plan, "processes", lambda: 2)
     monkeypatch.setattr(fp8_plan, "machine", lambda d: "H200|torch 2.11|torchao 0.18")
     cache = tmp_path / "plan.json"
     FakeChild.started = []
     prec = auto_plugin(fp8_plan_cache=str(cache))
     prec.warm_up(cuda, True)
-    assert len(FakeChild.started) == 1 and not FakeChild.started[0].closed
+    assert len(FakeChild.started) == 2 and not any(c.closed for c in FakeChild.started)
     prec.prepare(precision.Context(example=lambda: torch.randn(4, 64)))
     monkeypatch.setattr(fp8_plan, "cache_key", lambda g, r, c, d: f"H200|x|{g}|{r}")
     prec.convert(Net())
-    assert FakeChild.started[0].closed and prec.child is None and prec.timed > 0
+    assert all(c.closed for c in FakeChild.started) and prec.children == [] and prec.timed > 0
+    assert all(c.share for c in FakeChild.started)  # both took a share
     assert json.loads(cache.read_text())  # its timings kept
     cache.write_text(json.dumps({"H200|torch 2.11|torchao 0.18|16x64x256|bf16|x": 1.0}))
     for prec, device in (
@@ -226,13 +264,13 @@ def test_the_timing_process_starts_early_only_where_the_cache_lacks_this_gpu(mon
         (auto_plugin(fp8_plan_cache=None, fp8_layers="all"), cuda),
     ):
         prec.warm_up(device, True)
-    assert len(FakeChild.started) == 1
+    assert len(FakeChild.started) == 2
     # started, then not needed: a resume brings its plan
     prec = auto_plugin(fp8_plan_cache=None)
     prec.warm_up(cuda, True)
     prec.prepare(precision.Context(saved_plan={}, example=lambda: torch.randn(4, 64)))
     prec.convert(Net())
-    assert FakeChild.started[-1].closed and len(FakeChild.started) == 2
+    assert len(FakeChild.started) == 4 and all(c.closed for c in FakeChild.started[2:])
 
 
 def test_a_timing_child_that_is_not_needed_ends_with_its_process_group():

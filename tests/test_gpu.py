@@ -634,3 +634,21 @@ def test_the_fp8_timings_leave_nothing_allocated_in_the_training_process():
     assert torch.cuda.memory_allocated(dev) == before
     assert all(u > 0 for u in us) and us[2] > 4 * us[0] and us[3] > 4 * us[1], us
     assert us[4] > us[0] and us[5] > 0.5 * us[1], us  # the group does more than its first layer
+
+
+def test_children_that_compile_at_once_time_as_one_child_alone_does():
+    """The plan's children compile their shares at the same time and then time one after
+    another (fp8_plan.time_in_child): their answers agree with one child's, so no timing ran
+    while another child's compile or warm-up used the GPU."""
+    from mixprec.precision.fp8_plan import BF16, Gemm, start_children, time_in_child
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no float8 tensor cores on this GPU")
+    dev = torch.device("cuda")
+    shapes = [Gemm(8192, 4096, 4096, False), Gemm(8192, 4096, 14336, False)]
+    shapes += [Gemm(8192, 14336, 4096, False)]
+    todo = [((g,), r) for g in shapes for r in (BF16, "tensorwise", "rowwise")]
+    alone = time_in_child(todo, True, dev)
+    together = time_in_child(todo, True, dev, start_children(dev, True, 3))
+    ratios = [b / a for a, b in zip(alone, together)]
+    assert all(0.85 < r < 1.18 for r in ratios), list(zip(alone, together))

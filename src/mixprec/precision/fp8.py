@@ -75,7 +75,7 @@ class Plugin(Precision):
     choices: dict = field(default_factory=dict)  # fp8_layers=auto: {layer: fp8_plan.Choice}
     plan_s: float = 0.0  # seconds the plan took (shapes, timings; 0: resumed or none)
     timed: int = 0  # GEMM timings it measured (0: every one came from the cache)
-    child: Optional[fp8_plan.Child] = None  # the timing process, started by warm_up
+    children: list = field(default_factory=list)  # the timing processes, started by warm_up
 
     def check_device(self, device: torch.device) -> None:
         """A GPU with float8 tensor cores, and torchao installed; else a config error."""
@@ -100,14 +100,14 @@ class Plugin(Precision):
         super().check_device(device)
 
     def warm_up(self, device: torch.device, compiled: bool) -> None:
-        """fp8_layers=auto on a GPU whose timings the cache lacks: start the timing process now,
-        so that its start and the compile stack's first use overlap the data and the model
+        """fp8_layers=auto on a GPU whose timings the cache lacks: start the timing processes
+        now, so that their start and the compile stack's first use overlap the data and the model
         being built (a cache with this GPU's timings: most likely every one cached, no child)."""
         if self.cfg.fp8_layers != "auto" or device.type != "cuda":
             return
         here = fp8_plan.machine(device) + "|"
         if not any(k.startswith(here) for k in fp8_plan.TimingCache(self.cfg.fp8_plan_cache).data):
-            self.child = fp8_plan.Child(device, compiled)
+            self.children = fp8_plan.start_children(device, compiled)
 
     def convert(self, model: nn.Module) -> nn.Module:
         from torchao.float8 import convert_to_float8_training
@@ -118,9 +118,9 @@ class Plugin(Precision):
         try:
             recipes = self._layer_recipes(model, names)
         finally:  # used, or not needed after all
-            if self.child is not None:
-                self.child.close()
-                self.child = None
+            for child in self.children:
+                child.close()
+            self.children = []
         for recipe in sorted(set(recipes.values()) - {fp8_plan.BF16}):
             model = convert_to_float8_training(
                 model,
@@ -175,7 +175,7 @@ class Plugin(Precision):
             gemms,
             list(cfg.fp8_candidates),
             cfg.fp8_margin,
-            timer=lambda todo: fp8_plan.time_in_child(todo, ctx.compiled, device, self.child),
+            timer=lambda todo: fp8_plan.time_in_child(todo, ctx.compiled, device, self.children),
             key=lambda g, r: fp8_plan.cache_key(g, r, ctx.compiled, device),
             cache=cache,
             groups=groups or (),

@@ -14,13 +14,16 @@ uniform fp8; timed with wq, every layer goes float8, as in uniform fp8: H200, 20
 timings are cached per (GPU, torch, torchao, shape, recipe, compiled) in one JSON file, so a
 second start with the same shapes measures nothing.
 
-The timings run in a child process on the same GPU (Child), started before the data and the
-model are built so that the compile stack's first use (inductor, Triton, its workers) overlaps
-them. Each timing leaves 65-130
-MiB allocated that neither torch.compiler.reset(), the graph's reset nor gc frees in-process
-(benchmarks/fp8_plan_leak.py shows it; measured on an H200, 2026-12-02), and a cold-cache
-fp8_auto run planned in-process peaked 0.8-1.1 GiB above bf16; in a child, that memory leaves
-with it. A run whose timings are cached (every later start) starts no child.
+The timings run in child processes on the same GPU (Child; one per 4 CPU cores, at most 4),
+started before the data and the model are built so that the compile stack's first use
+(inductor, Triton, its workers) overlaps them. A float8 timing's cost is its compile (2.4-3.8 s
+each on the 8B slice's shapes, H200, 2026-12-02; its GPU time is milliseconds), so the children
+compile and capture their shares at once and then time them one after another: no timing
+shares the GPU. Each timing leaves 65-130 MiB allocated that neither torch.compiler.reset(),
+the graph's reset nor gc frees in-process (benchmarks/fp8_plan_leak.py shows it; measured on an
+H200, 2026-12-02), and a cold-cache fp8_auto run planned in-process peaked 0.8-1.1 GiB above
+bf16; in a child, that memory leaves with it. A run whose timings are cached (every later
+start) starts no child.
 
 What it does not see: whole-model fusion (a cast fused into the norm before it), FSDP2's float8
 all-gather, and the GPU's clocks under a whole model's load; the plan is checked end to end by
@@ -106,39 +109,15 @@ def layer_gemms(
     return {n: tuple(v) for n, v in found.items()}
 
 
-def time_gemm(g: Gemm, recipe: str, compiled: bool, device: torch.device, reps: int = 20) -> float:
-    """Microseconds of GPU time for one forward + backward of a Linear of shape `g` under bf16
-    autocast: nn.Linear (recipe 'bf16': cuBLAS's GEMMs, eager) or torchao's Float8Linear with
-    that recipe (compiled for this shape when the run compiles, as the run's blocks are; compiled
-    once with dynamic shapes for every shape, float8 layers timed 14-29 % slower on an H200).
-    The step is captured in a CUDA graph and replayed, so the host's launch overhead
-    (amortised in a whole model's compiled step) is not counted; the median of three runs of
-    `reps` replays."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    layer = nn.Sequential(nn.Linear(g.k, g.n, bias=g.bias, device=device))
-    run = layer
-    if recipe != BF16:
-        config = Float8LinearConfig.from_recipe_name(recipe)
-        layer = convert_to_float8_training(layer, config=config)
-        run = torch.compile(layer, dynamic=False) if compiled else layer
-    x = torch.randn(g.m, g.k, device=device, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(g.m, g.n, device=device, dtype=torch.bfloat16)
-
-    def step():  # (autocast's weight-cast cache off, as CUDA graphs require: on, it leaks)
-        with torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False):
-            y = run(x)
-        y.backward(dy)  # into the .grad the warm-up made: in place, as a graph replays it
-
-    return _replayed_us(step, reps)
-
-
-def time_group(
-    gemms: tuple[Gemm, ...], recipe: str, compiled: bool, device: torch.device, reps: int = 20
-) -> float:
-    """time_gemm for Linears that read one input (shapes M x K x N_i): their forwards and
-    backwards together, as the model runs them; compiled, the input's float8 cast is made once
-    for all of them, as in the compiled model."""
+def gemm_step(
+    gemms: tuple[Gemm, ...], recipe: str, compiled: bool, device: torch.device
+) -> Callable[[], None]:
+    """One training step of Linears that read one input (shapes M x K x N_i; one Gemm: a lone
+    Linear) under bf16 autocast, forward and both backward GEMMs (grad input, grad weight):
+    nn.Linear (recipe 'bf16': cuBLAS's GEMMs, eager) or torchao's Float8Linear with that recipe
+    (compiled for this shape when the run compiles, as the run's blocks are; compiled once with
+    dynamic shapes for every shape, float8 layers timed 14-29 % slower on an H200). Compiled,
+    a group's input is cast to float8 once for all of them, as in the compiled model."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     fan = _Fan(gemms, device)
@@ -154,9 +133,9 @@ def time_group(
     def step():  # (autocast's weight-cast cache off, as CUDA graphs require: on, it leaks)
         with torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False):
             ys = run(x)
-        torch.autograd.backward(ys, dys)
+        torch.autograd.backward(ys, dys)  # into the .grad the warm-up made: in place
 
-    return _replayed_us(step, reps)
+    return step
 
 
 class _Fan(nn.Module):
@@ -170,42 +149,55 @@ class _Fan(nn.Module):
         return tuple(layer(x) for layer in self.layers)
 
 
-def _replayed_us(step: Callable[[], None], reps: int) -> float:
-    """GPU microseconds of `step`: captured in a CUDA graph, the median of three runs of `reps`
-    replays."""
-    replay, graph = _captured(step)
-    runs = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            replay()
-        end.record()
-        end.synchronize()
-        runs.append(1000 * start.elapsed_time(end) / reps)
-    if graph is not None:  # its private pool back
-        graph.reset()
-    return sorted(runs)[1]
+@dataclass
+class Captured:
+    """A step compiled, warmed up and captured in a CUDA graph, ready to be timed: the step
+    (its tensors stay alive while the graph replays them), its replay and the graph."""
 
+    step: Callable[[], None]
+    replay: Callable[[], None]
+    graph: object
 
-def _captured(step: Callable[[], None]) -> tuple[Callable[[], None], object]:
-    """`step` warmed up on a side stream (compile, autotuning, the allocator's first blocks),
-    then captured in a CUDA graph: (its replay, the graph), or (`step`, None) where capture
-    fails."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    @classmethod
+    def of(cls, step: Callable[[], None]) -> Captured:
+        """`step` warmed up on a side stream (compile, autotuning, the allocator's first
+        blocks), then captured in a CUDA graph (where capture fails: replayed as it is)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                step()
+        except RuntimeError as e:
+            log.warning("fp8 plan: timed without a CUDA graph (%s)", str(e).splitlines()[0][:100])
+            return cls(step, step, None)
+        return cls(step, graph.replay, graph)
+
+    def us(self, reps: int = 20) -> float:
+        """GPU microseconds of one step: the median of three runs of `reps` replays (the host's
+        launch overhead, amortised in a whole model's compiled step, is not counted); then the
+        graph's private pool is given back."""
+        runs = []
         for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            step()
-    except RuntimeError as e:
-        log.warning("fp8 plan: timed without a CUDA graph (%s)", str(e).splitlines()[0][:100])
-        return step, None
-    return graph.replay, graph
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                self.replay()
+            end.record()
+            end.synchronize()
+            runs.append(1000 * start.elapsed_time(end) / reps)
+        if self.graph is not None:
+            self.graph.reset()
+        return sorted(runs)[1]
+
+
+def time_gemm(gemms: tuple[Gemm, ...], recipe: str, compiled: bool, device: torch.device) -> float:
+    """Microseconds of GPU time for one gemm_step, compiled, captured and replayed at once."""
+    return Captured.of(gemm_step(gemms, recipe, compiled, device)).us()
 
 
 @dataclass
@@ -314,43 +306,74 @@ def measure(
     return {n: plan[n] for n in gemms}
 
 
+def processes() -> int:
+    """How many timing processes a plan starts: one per 4 CPU cores, at most 4 (the float8
+    timings' cost is compiling them, on the CPU; their GPU time is a few ms each)."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
 class Child:
-    """The process the timings run in, on the run's GPU. Started before the data and the model
-    are built (Plugin.warm_up), it imports torch and torchao and compiles a throwaway float8
-    Linear meanwhile (the compile stack's first-use costs: inductor, Triton, its workers), then
-    waits for the shapes on its stdin; `close()` ends it, and so does the training process's
+    """A process the timings run in, on the run's GPU. Started before the data and the model
+    are built (Plugin.warm_up), it imports torch and torchao and, unless its shapes came
+    first, compiles a throwaway float8 Linear meanwhile (the compile stack's first-use costs:
+    inductor, Triton, its workers), then waits for its share of the shapes on its stdin. It compiles and captures each, says
+    "ready", and times them when told "go": the children compile at once, and time one after
+    another, so no timing shares the GPU. `close()` ends it, and so does the training process's
     end (its stdin closes). A process group of its own, so its compile workers end with it."""
 
-    def __init__(self, device: torch.device, compiled: bool) -> None:
+    def __init__(self, device: torch.device, compiled: bool, threads: int | None = None) -> None:
         if device.type == "cuda" and device.index is None:  # the child's GPU: this process's
             device = torch.device("cuda", torch.cuda.current_device())
         setup = json.dumps({"compiled": compiled, "device": str(device)})
+        env = dict(os.environ)
+        if threads:  # inductor's compile workers: the children share the cores
+            env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mixprec.precision.fp8_plan", setup],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            env=env,
         )
         self._finalizer = weakref.finalize(self, _end, self.proc)
 
-    def time(self, todo: list) -> list:
-        """Microseconds for each (shapes, recipe) of `todo` (time_gemm; time_group for Linears
-        that read one input), in `todo`'s order. The child's progress goes to stderr."""
+    def send(self, todo: list) -> None:
+        """Its share: (shapes, recipe) pairs to compile and capture now."""
         job = [[[[g.m, g.k, g.n, g.bias] for g in shapes], recipe] for shapes, recipe in todo]
+        self._say(json.dumps({"todo": job}))
+
+    def ready(self) -> None:
+        """Wait until its share is compiled and captured."""
+        if self._read() != "ready":
+            self._failed()
+
+    def results(self) -> list:
+        """Time its share now (alone on the GPU): microseconds, in its share's order."""
+        self._say("go")
+        line = self._read()
+        self.close()
         try:
-            out, _ = self.proc.communicate(json.dumps({"todo": job}) + "\n")
+            return json.loads(line)["us"]
+        except (ValueError, KeyError, TypeError):
+            self._failed()
+
+    def _say(self, line: str) -> None:
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
         except (BrokenPipeError, OSError):  # it ended before reading: its error is above
-            out = ""
-        finally:
-            self.close()
-        lines = out.strip().splitlines()
-        if self.proc.returncode or not lines:
-            raise MixprecError(
-                f"precision.fp8_layers=auto: timing the layers failed in its child process "
-                f"(exit {self.proc.returncode}; its error is above)"
-            )
-        return json.loads(lines[-1])["us"]
+            self._failed()
+
+    def _read(self) -> str:
+        return self.proc.stdout.readline().strip()
+
+    def _failed(self):
+        self.close()
+        raise MixprecError(
+            f"precision.fp8_layers=auto: timing the layers failed in its child process "
+            f"(exit {self.proc.returncode}; its error is above)"
+        )
 
     def close(self) -> None:
         """End the child (and its compile workers) unless it has ended."""
@@ -367,46 +390,89 @@ def _end(proc: subprocess.Popen) -> None:
             stream.close()
 
 
+def start_children(device: torch.device, compiled: bool, n: int | None = None) -> list[Child]:
+    """`n` timing processes (processes()), inductor's compile workers shared between them."""
+    n = n or processes()
+    threads = max(1, (os.cpu_count() or 1) // n) if n > 1 else None
+    return [Child(device, compiled, threads) for _ in range(n)]
+
+
+def deal(todo: list, n: int) -> list[list[int]]:
+    """The indices of `todo` for each of `n` children: the float8 timings (each a compile)
+    dealt round, then the bf16 ones (eager: a few ms), so the children end their compiles
+    together."""
+    order = [i for i, (_, r) in enumerate(todo) if r != BF16]
+    order += [i for i, (_, r) in enumerate(todo) if r == BF16]
+    return [order[k::n] for k in range(n)]
+
+
 def time_in_child(
-    todo: list, compiled: bool, device: torch.device, child: Child | None = None
+    todo: list, compiled: bool, device: torch.device, children: list | None = None
 ) -> list:
-    """Child.time in `child` (one started early) or in a child started now: what the timings
-    leave allocated (65-130 MiB a timing that neither compiler.reset(), the CUDA graph's reset
-    nor gc freed in the training process, measured on an H200) leaves with the child."""
-    return (child or Child(device, compiled)).time(todo)
+    """Microseconds for each (shapes, recipe) of `todo` (gemm_step), in `todo`'s order, measured
+    in `children` (started early) or in one child started now: they compile and capture their
+    shares at once, then time them one child after another. What the timings leave allocated
+    (65-130 MiB a timing that neither compiler.reset(), the CUDA graph's reset nor gc freed in
+    the training process, measured on an H200) leaves with the children."""
+    children = list(children or start_children(device, compiled, 1))
+    out: list = [None] * len(todo)
+    try:
+        shares = [(c, idx) for c, idx in zip(children, deal(todo, len(children))) if idx]
+        for child, idx in shares:
+            child.send([todo[i] for i in idx])
+        for child, _ in shares:
+            child.ready()
+        for child, idx in shares:
+            for i, us in zip(idx, child.results()):
+                out[i] = us
+    finally:
+        for child in children:
+            child.close()
+    return out
 
 
 def _child() -> None:
-    """`python -m mixprec.precision.fp8_plan '{compiled, device}'` < {todo}: warm up, then time
-    each (shapes, recipe) of the todo and print {"us": [...]} (Child's other end)."""
+    """`python -m mixprec.precision.fp8_plan '{compiled, device}'` < {todo}, go: warm up, then
+    compile and capture each (shapes, recipe) of the todo, print "ready", and on "go" time them
+    and print {"us": [...]} (Child's other end)."""
     setup = json.loads(sys.argv[1])
     device, compiled = torch.device(setup["device"]), setup["compiled"]
     if device.type == "cuda":
         torch.cuda.set_device(device)
     started = time.perf_counter()
-    if compiled and device.type == "cuda":
-        _warm_up(device)
-    print(f"fp8 plan: warmed up in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    if compiled and device.type == "cuda" and not _waiting(sys.stdin):
+        _warm_up(device)  # (the shapes already here: their compile pays the first use instead)
+        print(f"fp8 plan: warmed up in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     line = sys.stdin.readline()
     if not line:  # not needed after all (every timing cached; a resumed plan)
         return
     todo = json.loads(line)["todo"]
-    out = []
+    captured = []
     for i, (shapes, recipe) in enumerate(todo):
         started = time.perf_counter()
         gemms = tuple(Gemm(*g) for g in shapes)
         torch.compiler.reset()  # each shape its own graph: no recompile limit to reach
-        if len(gemms) == 1:
-            out.append(time_gemm(gemms[0], recipe, compiled, device))
-        else:
-            out.append(time_group(gemms, recipe, compiled, device))
+        captured.append(Captured.of(gemm_step(gemms, recipe, compiled, device)))
         print(
             f"fp8 plan: {i + 1}/{len(todo)} {'&'.join(g.key() for g in gemms)} {recipe}: "
-            f"{out[-1]:.1f} us ({time.perf_counter() - started:.1f}s)",
+            f"compiled and captured in {time.perf_counter() - started:.1f}s",
             file=sys.stderr,
             flush=True,
         )
-    print(json.dumps({"us": out}), flush=True)
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return
+    started = time.perf_counter()
+    us = [c.us() for c in captured]
+    print(f"fp8 plan: timed {len(us)} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    print(json.dumps({"us": us}), flush=True)
+
+
+def _waiting(stream) -> bool:
+    """Whether a line waits to be read on `stream` (the shapes came before the warm-up)."""
+    import select
+
+    return bool(select.select([stream], [], [], 0)[0])
 
 
 class _Warm(nn.Module):
