@@ -36,7 +36,7 @@ class Net(nn.Module):
     """Linear layers that fit float8 (multiples of 16) and two that do not: one too narrow, and
     the classifier head."""
 
-    pretrained_cfg = {"classifier": "head"}
+    mixprec_head = "head"  # (timm models: their adapter declares what pretrained_cfg names)
 
     def __init__(self):
         super().__init__()
@@ -116,10 +116,15 @@ def test_the_filter_converts_aligned_linears_but_not_the_head():
 
 
 def test_a_timm_vit_keeps_its_head_in_bf16():
-    import timm
+    """The head timm names (pretrained_cfg), declared by the timm adapter that makes the model."""
+    from types import SimpleNamespace
 
+    from mixprec.core import tasks
+    from mixprec.models import sources
+
+    mcfg = SimpleNamespace(name="vit_small_patch16_224", kwargs={})
     conv = fp8_plugin("tensorwise", False)
-    vit = conv.convert(timm.create_model("vit_small_patch16_224", num_classes=10))
+    vit = conv.convert(sources.SOURCES["timm"].create(mcfg, 10, (3, 224, 224), tasks.CLASSIFY))
     assert (
         len(conv.converted) == 48 and "head" not in conv.converted
     )  # 12 blocks x qkv/proj/fc1/fc2

@@ -118,7 +118,9 @@ class Shape:
 class Llama(nn.Module):
     """(batch, seq) token ids -> (batch, seq, vocab) logits."""
 
-    pretrained_cfg = {"classifier": "output"}  # timm's name for the head (fp8 keeps it in bf16)
+    pretrained_cfg = {"classifier": "output"}  # timm's name for the head
+    mixprec_head = "output"  # fp8 keeps it in bf16 (models/parts.py)
+    mixprec_blocks = "layers.*"  # compile_scope=blocks, checkpointing, FSDP2's units
 
     def __init__(self, num_classes: int = 256, max_seq_len: int = 256, **shape) -> None:
         """num_classes: the vocabulary (timm's name; the data's size); shape: Shape's fields

@@ -5,8 +5,11 @@ instance attributes holding module-name globs (the syntax of `precision.keep_fp3
     mixprec_head = "lm_head"        # the output layer: fp8 keeps it in bf16, keep_fp32=[head]
     mixprec_blocks = "layers.*"     # compile_scope=blocks, per-block checkpointing, FSDP2 units
 
-`model.head` / `model.blocks` in the config override them. Without a declaration the head is
-timm's (`pretrained_cfg["classifier"]`) and the blocks are found by shape (repeated_blocks)."""
+`model.head` / `model.blocks` in the config override them. A source's adapter (sources.py)
+declares what it knows of the models it makes (timm's: the head its `pretrained_cfg` names;
+Hugging Face's: the output embedding and `_no_split_modules`), so the rest of mixprec reads the
+declarations only. Without a declaration there is no head, and the blocks are found by shape
+(repeated_blocks)."""
 
 from __future__ import annotations
 
@@ -18,11 +21,8 @@ from torch.utils.checkpoint import checkpoint
 
 
 def head_of(model: nn.Module) -> str | None:
-    """The module name of the model's output layer, or None where the model does not say."""
-    declared = getattr(model, "mixprec_head", None)
-    if declared:
-        return declared
-    return (getattr(model, "pretrained_cfg", None) or {}).get("classifier")
+    """The module name of the model's output layer (mixprec_head), or None where it has none."""
+    return getattr(model, "mixprec_head", None) or None
 
 
 def outermost(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:

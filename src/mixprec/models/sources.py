@@ -10,7 +10,8 @@ An adapter answers:
 - `check(mcfg)`: the config alone, at validation (a timm name that does not exist);
 - `create(mcfg, num_classes, input_shape, task)`: the nn.Module, given what the data says
   (a language model gets the vocabulary and sequence length, an image model classes and
-  channels), before anything mixprec does to it;
+  channels), before anything mixprec does to it, declaring what the source knows of it (its
+  head and blocks: models/parts.py; its FLOPs per token where torch's counter cannot count it);
 - `input_hint`: what to try when the model cannot take the data's input.
 """
 
@@ -98,7 +99,7 @@ class Timm:
         lm = task.name == "lm"
         shaped = {"max_seq_len": input_shape[0]} if lm else {"in_chans": input_shape[0]}
         try:
-            return timm.create_model(
+            model = timm.create_model(
                 mcfg.name, pretrained=False, num_classes=num_classes, **shaped, **mcfg.kwargs
             )
         except (TypeError, ValueError) as e:  # e.g. a model.kwargs key this model does not take
@@ -106,6 +107,11 @@ class Timm:
                 f"model.name={mcfg.name!r} with model.kwargs={dict(mcfg.kwargs)}: "
                 f"{str(e).splitlines()[0][:200]}"
             ) from None
+        if not getattr(model, "mixprec_head", None):  # timm names its head in pretrained_cfg
+            head = (getattr(model, "pretrained_cfg", None) or {}).get("classifier")
+            if head and head in dict(model.named_modules()):
+                model.mixprec_head = head
+        return model
 
 
 SOURCES = {"target": Target(), "hf": HuggingFace(), "timm": Timm()}

@@ -15,7 +15,8 @@ class DigitsCNN(nn.Module):
     Channel counts are multiples of 8 so the convs map onto tensor cores under fp16/bf16.
     """
 
-    pretrained_cfg = {"classifier": "head"}  # timm's name for the head (keep_fp32=[head])
+    pretrained_cfg = {"classifier": "head"}  # timm's name for the head
+    mixprec_head = "head"  # keep_fp32=[head] (models/parts.py)
 
     def __init__(self, num_classes: int = 10, in_chans: int = 1, width: int = 32):
         super().__init__()
@@ -56,6 +57,7 @@ class DigitsMLP(nn.Module):
     """No BatchNorm, no dropout: data-parallel and single-process runs must match it exactly."""
 
     pretrained_cfg = {"classifier": "net.4"}
+    mixprec_head = "net.4"
 
     def __init__(self, num_classes: int = 10, in_chans: int = 1, width: int = 128):
         super().__init__()

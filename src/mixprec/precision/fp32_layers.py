@@ -5,7 +5,7 @@ cast up to fp32 and its floating outputs cast back to the dtype its first input 
 layers around it see what they saw before. Its weights must be fp32 (every shipped precision
 keeps fp32 weights). Patterns are module names (fnmatch globs: `layers.*.attention`, `output`),
 class names (`LayerNorm`), or presets: `norms` (every normalisation layer), `head` (the
-output layer the model declares, or timm's pretrained_cfg names: models/parts.py), `attention`
+output layer the model declares, or its source names: models/parts.py), `attention`
 (modules whose class name says so)."""
 
 from __future__ import annotations

@@ -316,10 +316,11 @@ class Child:
     """A process the timings run in, on the run's GPU. Started before the data and the model
     are built (Plugin.warm_up), it imports torch and torchao and, unless its shapes came
     first, compiles a throwaway float8 Linear meanwhile (the compile stack's first-use costs:
-    inductor, Triton, its workers), then waits for its share of the shapes on its stdin. It compiles and captures each, says
-    "ready", and times them when told "go": the children compile at once, and time one after
-    another, so no timing shares the GPU. `close()` ends it, and so does the training process's
-    end (its stdin closes). A process group of its own, so its compile workers end with it."""
+    inductor, Triton, its workers), then waits for its share of the shapes on its stdin. It
+    compiles and captures each, says "ready", and times them when told "go": the children
+    compile at once, and time one after another, so no timing shares the GPU. `close()` ends
+    it, and so does the training process's end (its stdin closes). A process group of its own,
+    so its compile workers end with it."""
 
     def __init__(self, device: torch.device, compiled: bool, threads: int | None = None) -> None:
         if device.type == "cuda" and device.index is None:  # the child's GPU: this process's
