@@ -314,13 +314,13 @@ def processes() -> int:
 
 class Child:
     """A process the timings run in, on the run's GPU. Started before the data and the model
-    are built (Plugin.warm_up), it imports torch and torchao and, unless its shapes came
-    first, compiles a throwaway float8 Linear meanwhile (the compile stack's first-use costs:
-    inductor, Triton, its workers), then waits for its share of the shapes on its stdin. It
-    compiles and captures each, says "ready", and times them when told "go": the children
-    compile at once, and time one after another, so no timing shares the GPU. `close()` ends
-    it, and so does the training process's end (its stdin closes). A process group of its own,
-    so its compile workers end with it."""
+    are built (Plugin.warm_up), it imports torch and torchao and compiles a throwaway float8
+    Linear meanwhile (the compile stack's first-use costs: inductor, Triton, its workers),
+    then waits for its share of the shapes on its stdin. It compiles and captures each, says
+    "ready", and times them when told "go": the children compile at once, and time one after
+    another, so no timing shares the GPU. `close()` ends it, and so does the training
+    process's end (its stdin closes). A process group of its own, so its compile workers end
+    with it."""
 
     def __init__(self, device: torch.device, compiled: bool, threads: int | None = None) -> None:
         if device.type == "cuda" and device.index is None:  # the child's GPU: this process's
@@ -411,11 +411,11 @@ def time_in_child(
     todo: list, compiled: bool, device: torch.device, children: list | None = None
 ) -> list:
     """Microseconds for each (shapes, recipe) of `todo` (gemm_step), in `todo`'s order, measured
-    in `children` (started early) or in one child started now: they compile and capture their
+    in `children` (started early) or in children started now: they compile and capture their
     shares at once, then time them one child after another. What the timings leave allocated
     (65-130 MiB a timing that neither compiler.reset(), the CUDA graph's reset nor gc freed in
     the training process, measured on an H200) leaves with the children."""
-    children = list(children or start_children(device, compiled, 1))
+    children = list(children or start_children(device, compiled))
     out: list = [None] * len(todo)
     try:
         shares = [(c, idx) for c, idx in zip(children, deal(todo, len(children))) if idx]
@@ -441,8 +441,8 @@ def _child() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     started = time.perf_counter()
-    if compiled and device.type == "cuda" and not _waiting(sys.stdin):
-        _warm_up(device)  # (the shapes already here: their compile pays the first use instead)
+    if compiled and device.type == "cuda":  # (skipped when the shapes came first, the plan
+        _warm_up(device)  # took 19.8 s against 17.7 on the 8B slice: H200, 2026-12-03)
         print(f"fp8 plan: warmed up in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     line = sys.stdin.readline()
     if not line:  # not needed after all (every timing cached; a resumed plan)
@@ -467,13 +467,6 @@ def _child() -> None:
     us = [c.us() for c in captured]
     print(f"fp8 plan: timed {len(us)} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     print(json.dumps({"us": us}), flush=True)
-
-
-def _waiting(stream) -> bool:
-    """Whether a line waits to be read on `stream` (the shapes came before the warm-up)."""
-    import select
-
-    return bool(select.select([stream], [], [], 0)[0])
 
 
 class _Warm(nn.Module):
