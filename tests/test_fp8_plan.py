@@ -14,7 +14,7 @@ from torch import nn
 
 from mixprec.core.errors import MixprecError
 from mixprec.precision import base as precision
-from mixprec.precision import fp8_plan
+from mixprec.precision import fp8_plan, fp8_timing
 from mixprec.precision.fp8_plan import BF16, Gemm, choose
 from mixprec.run import build
 from mixprec.run.config import validate
@@ -152,7 +152,7 @@ def test_layers_that_read_one_input_are_timed_and_chosen_together(tmp_path, monk
     alone = fp8_plan.measure(gemms, ["tensorwise"], 0.05, shared_cast_timer, key, cache)
     assert [n for n, c in alone.items() if c.choice != BF16] == ["q"]
     # through the plugin: a compiled run times the group, an eager one each layer alone
-    monkeypatch.setattr(fp8_plan, "time_in_child", lambda todo, *a: shared_cast_timer(todo))
+    monkeypatch.setattr(fp8_timing, "time_in_child", lambda todo, *a: shared_cast_timer(todo))
     for compiled, fp8_layers in ((True, ["q", "k", "v"]), (False, ["q"])):
         prec = auto_plugin()
         prec.prepare(precision.Context(example=lambda: torch.randn(16, 64), compiled=compiled))
@@ -221,16 +221,14 @@ def test_the_children_compile_their_shares_at_once_and_time_them_one_after_anoth
     gives the answers back in the order asked; a child with nothing to do is ended unused."""
     wide, narrow = Gemm(16, 64, 256, True), Gemm(16, 64, 16, True)
     todo = [((g,), r) for g in (wide, narrow) for r in (BF16, "tensorwise", "rowwise")]
-    assert sorted(i for share in fp8_plan.deal(todo, 4) for i in share) == list(range(6))
-    assert [len([i for i in share if todo[i][1] != BF16]) for share in fp8_plan.deal(todo, 4)] == [
-        1,
-        1,
-        1,
-        1,
+    assert sorted(i for share in fp8_timing.deal(todo, 4) for i in share) == list(range(6))
+    float8_per_child = [
+        len([i for i in share if todo[i][1] != BF16]) for share in fp8_timing.deal(todo, 4)
     ]
+    assert float8_per_child == [1, 1, 1, 1]  # the compiles dealt first, one each
     FakeChild.started, FakeChild.events = [], []
     kids = [FakeChild(None, True) for _ in range(8)]  # more children than timings
-    us = fp8_plan.time_in_child(todo, True, torch.device("cuda"), kids)
+    us = fp8_timing.time_in_child(todo, True, torch.device("cuda"), kids)
     assert us == fake_timer([])(todo)  # each answer in its place
     kinds = [kind for kind, _ in FakeChild.events]
     assert kinds == ["send"] * 6 + ["ready"] * 6 + ["go"] * 6  # no timing before all compiled
@@ -243,8 +241,8 @@ def test_the_timing_process_starts_early_only_where_the_cache_lacks_this_gpu(mon
     GPU whose timings the cache has none of; convert() uses it and ends it, or ends it unused
     (a resumed plan). A cache with this GPU's timings, fp8_layers=all or the CPU: no child."""
     cuda = torch.device("cuda")
-    monkeypatch.setattr(fp8_plan, "Child", FakeChild)
-    monkeypatch.setattr(fp8_plan, "processes", lambda: 2)
+    monkeypatch.setattr(fp8_timing, "Child", FakeChild)
+    monkeypatch.setattr(fp8_timing, "processes", lambda: 2)
     monkeypatch.setattr(fp8_plan, "machine", lambda d: "H200|torch 2.11|torchao 0.18")
     cache = tmp_path / "plan.json"
     FakeChild.started = []
@@ -276,13 +274,13 @@ def test_the_timing_process_starts_early_only_where_the_cache_lacks_this_gpu(mon
 def test_a_timing_child_that_is_not_needed_ends_with_its_process_group():
     """close() ends a child still warming up (here: waiting on its stdin), and its process group
     with it; so does the parent dropping it."""
-    child = fp8_plan.Child(torch.device("cpu"), False)
+    child = fp8_timing.Child(torch.device("cpu"), False)
     pid = child.proc.pid
     child.close()
     assert child.proc.returncode is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)
-    other = fp8_plan.Child(torch.device("cpu"), False)
+    other = fp8_timing.Child(torch.device("cpu"), False)
     proc = other.proc
     del other
     gc.collect()
@@ -300,7 +298,7 @@ def auto_plugin(**keys):
 
 def test_the_plan_converts_each_layer_to_its_recipe_and_a_resume_keeps_it(monkeypatch):
     calls: list = []
-    monkeypatch.setattr(fp8_plan, "time_in_child", lambda todo, *a: fake_timer(calls)(todo))
+    monkeypatch.setattr(fp8_timing, "time_in_child", lambda todo, *a: fake_timer(calls)(todo))
     prec = auto_plugin()
     prec.prepare(precision.Context(example=lambda: torch.randn(4, 64)))
     model = prec.convert(Net())
@@ -332,7 +330,8 @@ def test_the_plan_converts_each_layer_to_its_recipe_and_a_resume_keeps_it(monkey
 def test_without_a_micro_batch_every_eligible_layer_is_float8(monkeypatch):
     """batch=auto's probes and the dtype audit give no micro-batch: nothing is timed, and every
     eligible layer takes fp8_recipe (the upper bound of float8's share)."""
-    monkeypatch.setattr(fp8_plan, "time_in_child", lambda *a: pytest.fail("timed without a batch"))
+    never = lambda *a: pytest.fail("timed without a batch")  # noqa: E731
+    monkeypatch.setattr(fp8_timing, "time_in_child", never)
     prec = auto_plugin()
     prec.prepare(precision.Context())
     prec.convert(Net())
@@ -344,7 +343,7 @@ def test_a_timing_that_fails_in_its_child_process_is_an_error_and_the_parent_goe
     fails there (here: no GPU to time on) is a MixprecError in the training process, which is
     itself unharmed."""
     with pytest.raises(MixprecError, match="timing the layers failed in its child process"):
-        fp8_plan.time_in_child([((Gemm(16, 64, 256, True),), BF16)], True, torch.device("cpu"))
+        fp8_timing.time_in_child([((Gemm(16, 64, 256, True),), BF16)], True, torch.device("cpu"))
     assert torch.ones(2).sum().item() == 2.0
 
 

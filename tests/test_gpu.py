@@ -615,9 +615,10 @@ def test_fp32_gqa_attention_keeps_no_t_by_t_matrix_for_the_backward():
 
 def test_the_fp8_timings_leave_nothing_allocated_in_the_training_process():
     """Each in-process timing left 65-130 MiB that nothing freed; in the child process
-    (fp8_plan.time_in_child) they leave the training process's allocation as it was, and the
+    (fp8_timing.time_in_child) they leave the training process's allocation as it was, and the
     child's answers are GPU times (positive, a bigger GEMM slower)."""
-    from mixprec.precision.fp8_plan import BF16, Gemm, time_in_child
+    from mixprec.precision.fp8_plan import BF16, Gemm
+    from mixprec.precision.fp8_timing import time_in_child
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no float8 tensor cores on this GPU")
@@ -638,9 +639,10 @@ def test_the_fp8_timings_leave_nothing_allocated_in_the_training_process():
 
 def test_children_that_compile_at_once_time_as_one_child_alone_does():
     """The plan's children compile their shares at the same time and then time one after
-    another (fp8_plan.time_in_child): their answers agree with one child's, so no timing ran
+    another (fp8_timing.time_in_child): their answers agree with one child's, so no timing ran
     while another child's compile or warm-up used the GPU."""
-    from mixprec.precision.fp8_plan import BF16, Gemm, start_children, time_in_child
+    from mixprec.precision.fp8_plan import BF16, Gemm
+    from mixprec.precision.fp8_timing import start_children, time_in_child
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no float8 tensor cores on this GPU")

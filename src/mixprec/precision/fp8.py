@@ -20,7 +20,7 @@ from torch import nn
 from mixprec.core.errors import ConfigError, check, one_of
 from mixprec.models.flops import blended_peak
 from mixprec.models.parts import head_of
-from mixprec.precision import fp8_plan
+from mixprec.precision import fp8_plan, fp8_timing
 from mixprec.precision.base import Precision, PrecisionConfig
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class Plugin(Precision):
             return
         here = fp8_plan.machine(device) + "|"
         if not any(k.startswith(here) for k in fp8_plan.TimingCache(self.cfg.fp8_plan_cache).data):
-            self.children = fp8_plan.start_children(device, compiled)
+            self.children = fp8_timing.start_children(device, compiled)
 
     def convert(self, model: nn.Module) -> nn.Module:
         from torchao.float8 import convert_to_float8_training
@@ -175,7 +175,7 @@ class Plugin(Precision):
             gemms,
             list(cfg.fp8_candidates),
             cfg.fp8_margin,
-            timer=lambda todo: fp8_plan.time_in_child(todo, ctx.compiled, device, self.children),
+            timer=lambda todo: fp8_timing.time_in_child(todo, ctx.compiled, device, self.children),
             key=lambda g, r: fp8_plan.cache_key(g, r, ctx.compiled, device),
             cache=cache,
             groups=groups or (),

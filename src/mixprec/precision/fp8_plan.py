@@ -14,16 +14,8 @@ uniform fp8; timed with wq, every layer goes float8, as in uniform fp8: H200, 20
 timings are cached per (GPU, torch, torchao, shape, recipe, compiled) in one JSON file, so a
 second start with the same shapes measures nothing.
 
-The timings run in child processes on the same GPU (Child; one per 4 CPU cores, at most 4),
-started before the data and the model are built so that the compile stack's first use
-(inductor, Triton, its workers) overlaps them. A float8 timing's cost is its compile (2.4-3.8 s
-each on the 8B slice's shapes, H200, 2026-12-02; its GPU time is milliseconds), so the children
-compile and capture their shares at once and then time them one after another: no timing
-shares the GPU. Each timing leaves 65-130 MiB allocated that neither torch.compiler.reset(),
-the graph's reset nor gc frees in-process (benchmarks/fp8_plan_leak.py shows it; measured on an
-H200, 2026-12-02), and a cold-cache fp8_auto run planned in-process peaked 0.8-1.1 GiB above
-bf16; in a child, that memory leaves with it. A run whose timings are cached (every later
-start) starts no child.
+The timings run in child processes on the same GPU (fp8_timing.py: how a GEMM is timed, and
+the processes that time them); a run whose timings are cached starts none.
 
 What it does not see: whole-model fusion (a cast fused into the norm before it), FSDP2's float8
 all-gather, and the GPU's clocks under a whole model's load; the plan is checked end to end by
@@ -32,15 +24,9 @@ benchmarks/fp8_plan.py (train.py, fp8_auto against bf16 and uniform fp8, side by
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import signal
-import subprocess
-import sys
-import time
-import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -107,98 +93,6 @@ def layer_gemms(
     if groups is not None:
         groups.extend(readers for _, readers in inputs if len(readers) > 1)
     return {n: tuple(v) for n, v in found.items()}
-
-
-def gemm_step(
-    gemms: tuple[Gemm, ...], recipe: str, compiled: bool, device: torch.device
-) -> Callable[[], None]:
-    """One training step of Linears that read one input (shapes M x K x N_i; one Gemm: a lone
-    Linear) under bf16 autocast, forward and both backward GEMMs (grad input, grad weight):
-    nn.Linear (recipe 'bf16': cuBLAS's GEMMs, eager) or torchao's Float8Linear with that recipe
-    (compiled for this shape when the run compiles, as the run's blocks are; compiled once with
-    dynamic shapes for every shape, float8 layers timed 14-29 % slower on an H200). Compiled,
-    a group's input is cast to float8 once for all of them, as in the compiled model."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    fan = _Fan(gemms, device)
-    run = fan
-    if recipe != BF16:
-        config = Float8LinearConfig.from_recipe_name(recipe)
-        fan = convert_to_float8_training(fan, config=config)
-        run = torch.compile(fan, dynamic=False) if compiled else fan
-    x = torch.randn(gemms[0].m, gemms[0].k, device=device, dtype=torch.bfloat16)
-    x.requires_grad_()
-    dys = [torch.randn(g.m, g.n, device=device, dtype=torch.bfloat16) for g in gemms]
-
-    def step():  # (autocast's weight-cast cache off, as CUDA graphs require: on, it leaks)
-        with torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False):
-            ys = run(x)
-        torch.autograd.backward(ys, dys)  # into the .grad the warm-up made: in place
-
-    return step
-
-
-class _Fan(nn.Module):
-    """Linears that read one input: their outputs, in order."""
-
-    def __init__(self, gemms: tuple[Gemm, ...], device: torch.device) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(g.k, g.n, bias=g.bias, device=device) for g in gemms)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(layer(x) for layer in self.layers)
-
-
-@dataclass
-class Captured:
-    """A step compiled, warmed up and captured in a CUDA graph, ready to be timed: the step
-    (its tensors stay alive while the graph replays them), its replay and the graph."""
-
-    step: Callable[[], None]
-    replay: Callable[[], None]
-    graph: object
-
-    @classmethod
-    def of(cls, step: Callable[[], None]) -> Captured:
-        """`step` warmed up on a side stream (compile, autotuning, the allocator's first
-        blocks), then captured in a CUDA graph (where capture fails: replayed as it is)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                step()
-        except RuntimeError as e:
-            log.warning("fp8 plan: timed without a CUDA graph (%s)", str(e).splitlines()[0][:100])
-            return cls(step, step, None)
-        return cls(step, graph.replay, graph)
-
-    def us(self, reps: int = 20) -> float:
-        """GPU microseconds of one step: the median of three runs of `reps` replays (the host's
-        launch overhead, amortised in a whole model's compiled step, is not counted); then the
-        graph's private pool is given back."""
-        runs = []
-        for _ in range(3):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                self.replay()
-            end.record()
-            end.synchronize()
-            runs.append(1000 * start.elapsed_time(end) / reps)
-        if self.graph is not None:
-            self.graph.reset()
-        return sorted(runs)[1]
-
-
-def time_gemm(gemms: tuple[Gemm, ...], recipe: str, compiled: bool, device: torch.device) -> float:
-    """Microseconds of GPU time for one gemm_step, compiled, captured and replayed at once."""
-    return Captured.of(gemm_step(gemms, recipe, compiled, device)).us()
-
 
 @dataclass
 class Choice:
@@ -305,197 +199,6 @@ def measure(
             plan[n] = Choice(gemm, calls, us, pick, (us[BF16] - us[pick]) * calls, group)
     return {n: plan[n] for n in gemms}
 
-
-def processes() -> int:
-    """How many timing processes a plan starts: one per 4 CPU cores, at most 4 (the float8
-    timings' cost is compiling them, on the CPU; their GPU time is a few ms each)."""
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
-
-
-class Child:
-    """A process the timings run in, on the run's GPU. Started before the data and the model
-    are built (Plugin.warm_up), it imports torch and torchao and compiles a throwaway float8
-    Linear meanwhile (the compile stack's first-use costs: inductor, Triton, its workers),
-    then waits for its share of the shapes on its stdin. It compiles and captures each, says
-    "ready", and times them when told "go": the children compile at once, and time one after
-    another, so no timing shares the GPU. `close()` ends it, and so does the training
-    process's end (its stdin closes). A process group of its own, so its compile workers end
-    with it."""
-
-    def __init__(self, device: torch.device, compiled: bool, threads: int | None = None) -> None:
-        if device.type == "cuda" and device.index is None:  # the child's GPU: this process's
-            device = torch.device("cuda", torch.cuda.current_device())
-        setup = json.dumps({"compiled": compiled, "device": str(device)})
-        env = dict(os.environ)
-        if threads:  # inductor's compile workers: the children share the cores
-            env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mixprec.precision.fp8_plan", setup],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-            env=env,
-        )
-        self._finalizer = weakref.finalize(self, _end, self.proc)
-
-    def send(self, todo: list) -> None:
-        """Its share: (shapes, recipe) pairs to compile and capture now."""
-        job = [[[[g.m, g.k, g.n, g.bias] for g in shapes], recipe] for shapes, recipe in todo]
-        self._say(json.dumps({"todo": job}))
-
-    def ready(self) -> None:
-        """Wait until its share is compiled and captured."""
-        if self._read() != "ready":
-            self._failed()
-
-    def results(self) -> list:
-        """Time its share now (alone on the GPU): microseconds, in its share's order."""
-        self._say("go")
-        line = self._read()
-        self.close()
-        try:
-            return json.loads(line)["us"]
-        except (ValueError, KeyError, TypeError):
-            self._failed()
-
-    def _say(self, line: str) -> None:
-        try:
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):  # it ended before reading: its error is above
-            self._failed()
-
-    def _read(self) -> str:
-        return self.proc.stdout.readline().strip()
-
-    def _failed(self):
-        self.close()
-        raise MixprecError(
-            f"precision.fp8_layers=auto: timing the layers failed in its child process "
-            f"(exit {self.proc.returncode}; its error is above)"
-        )
-
-    def close(self) -> None:
-        """End the child (and its compile workers) unless it has ended."""
-        self._finalizer()
-
-
-def _end(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    for stream in (proc.stdin, proc.stdout):
-        with contextlib.suppress(OSError):
-            stream.close()
-
-
-def start_children(device: torch.device, compiled: bool, n: int | None = None) -> list[Child]:
-    """`n` timing processes (processes()), inductor's compile workers shared between them."""
-    n = n or processes()
-    threads = max(1, (os.cpu_count() or 1) // n) if n > 1 else None
-    return [Child(device, compiled, threads) for _ in range(n)]
-
-
-def deal(todo: list, n: int) -> list[list[int]]:
-    """The indices of `todo` for each of `n` children: the float8 timings (each a compile)
-    dealt round, then the bf16 ones (eager: a few ms), so the children end their compiles
-    together."""
-    order = [i for i, (_, r) in enumerate(todo) if r != BF16]
-    order += [i for i, (_, r) in enumerate(todo) if r == BF16]
-    return [order[k::n] for k in range(n)]
-
-
-def time_in_child(
-    todo: list, compiled: bool, device: torch.device, children: list | None = None
-) -> list:
-    """Microseconds for each (shapes, recipe) of `todo` (gemm_step), in `todo`'s order, measured
-    in `children` (started early) or in children started now: they compile and capture their
-    shares at once, then time them one child after another. What the timings leave allocated
-    (65-130 MiB a timing that neither compiler.reset(), the CUDA graph's reset nor gc freed in
-    the training process, measured on an H200) leaves with the children."""
-    children = list(children or start_children(device, compiled))
-    out: list = [None] * len(todo)
-    try:
-        shares = [(c, idx) for c, idx in zip(children, deal(todo, len(children))) if idx]
-        for child, idx in shares:
-            child.send([todo[i] for i in idx])
-        for child, _ in shares:
-            child.ready()
-        for child, idx in shares:
-            for i, us in zip(idx, child.results()):
-                out[i] = us
-    finally:
-        for child in children:
-            child.close()
-    return out
-
-
-def _child() -> None:
-    """`python -m mixprec.precision.fp8_plan '{compiled, device}'` < {todo}, go: warm up, then
-    compile and capture each (shapes, recipe) of the todo, print "ready", and on "go" time them
-    and print {"us": [...]} (Child's other end)."""
-    setup = json.loads(sys.argv[1])
-    device, compiled = torch.device(setup["device"]), setup["compiled"]
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    started = time.perf_counter()
-    if compiled and device.type == "cuda":  # (skipped when the shapes came first, the plan
-        _warm_up(device)  # took 19.8 s against 17.7 on the 8B slice: H200, 2026-12-03)
-        print(f"fp8 plan: warmed up in {time.perf_counter() - started:.1f}s", file=sys.stderr)
-    line = sys.stdin.readline()
-    if not line:  # not needed after all (every timing cached; a resumed plan)
-        return
-    todo = json.loads(line)["todo"]
-    captured = []
-    for i, (shapes, recipe) in enumerate(todo):
-        started = time.perf_counter()
-        gemms = tuple(Gemm(*g) for g in shapes)
-        torch.compiler.reset()  # each shape its own graph: no recompile limit to reach
-        captured.append(Captured.of(gemm_step(gemms, recipe, compiled, device)))
-        print(
-            f"fp8 plan: {i + 1}/{len(todo)} {'&'.join(g.key() for g in gemms)} {recipe}: "
-            f"compiled and captured in {time.perf_counter() - started:.1f}s",
-            file=sys.stderr,
-            flush=True,
-        )
-    print("ready", flush=True)
-    if sys.stdin.readline().strip() != "go":
-        return
-    started = time.perf_counter()
-    us = [c.us() for c in captured]
-    print(f"fp8 plan: timed {len(us)} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
-    print(json.dumps({"us": us}), flush=True)
-
-
-class _Warm(nn.Module):
-    """A small float8 Linear compiled before the shapes arrive: the compile stack's first-use
-    costs (inductor, Triton, its worker pool, the float8 GEMM's first launch) are paid while the
-    training process builds its data and model."""
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
-        self.layer = nn.Linear(256, 256, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x)
-
-
-def _warm_up(device: torch.device) -> None:
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    warm = convert_to_float8_training(
-        _Warm(device), config=Float8LinearConfig.from_recipe_name("tensorwise")
-    )
-    run = torch.compile(warm, dynamic=False)
-    x = torch.randn(256, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        y = run(x)
-    y.sum().backward()
-    torch.cuda.synchronize(device)
-
-
 def table(plan: dict[str, Choice], candidates: list[str]) -> str:
     """The plan as a markdown table, and the expected saving per micro-batch."""
     cols = [BF16, *candidates]
@@ -520,7 +223,3 @@ def table(plan: dict[str, Choice], candidates: list[str]) -> str:
         f"micro-batch of these layers' {base / 1000:.2f} ms in bf16 ({share:.1f}%)"
     )
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    _child()
