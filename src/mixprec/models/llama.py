@@ -182,4 +182,4 @@ def mixprec_llama(
     return Llama(**kw)
 
 
-LM_MODELS = ("mixprec_llama",)  # models that take token ids (a language-modelling task)
+mixprec_llama.mixprec_task = "lm"  # it takes token ids: the timm adapter gives it token data

@@ -24,7 +24,6 @@ from torch import nn
 
 from mixprec.core import targets
 from mixprec.core.errors import ConfigError
-from mixprec.models.llama import LM_MODELS
 
 
 class Target:
@@ -129,8 +128,10 @@ def check_name(name: str) -> None:
 
 
 def check_fits(name: str, task) -> None:
-    """A language model needs token data, an image model images."""
-    lm = name in LM_MODELS
+    """A language model needs token data, an image model images. A timm entry point that
+    takes token ids says so (`fn.mixprec_task = "lm"`, as mixprec_llama does); any other is an
+    image model."""
+    lm = getattr(timm.models.model_entrypoint(name), "mixprec_task", None) == "lm"
     if lm != (task.name == "lm"):
         raise ConfigError(
             f"model.name={name!r} is "

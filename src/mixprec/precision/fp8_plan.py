@@ -94,6 +94,7 @@ def layer_gemms(
         groups.extend(readers for _, readers in inputs if len(readers) > 1)
     return {n: tuple(v) for n, v in found.items()}
 
+
 @dataclass
 class Choice:
     """One layer's entry in the plan."""
@@ -198,6 +199,7 @@ def measure(
             group = "+".join(unit) if len(unit) > 1 else None
             plan[n] = Choice(gemm, calls, us, pick, (us[BF16] - us[pick]) * calls, group)
     return {n: plan[n] for n in gemms}
+
 
 def table(plan: dict[str, Choice], candidates: list[str]) -> str:
     """The plan as a markdown table, and the expected saving per micro-batch."""
