@@ -153,6 +153,26 @@ def test_a_model_that_cannot_take_the_data_is_a_config_error(cfg_factory, overri
         run.run(cfg_factory(*overrides))
 
 
+def test_a_timm_entry_point_that_says_it_takes_token_ids_is_a_language_model():
+    """The timm adapter asks the entry point (fn.mixprec_task = "lm"), not a list of names: a
+    user's own registered LM gets token data and is refused images, as mixprec_llama is."""
+    from timm.models import register_model
+
+    from mixprec.core import tasks
+    from mixprec.models import llama, sources
+
+    def _test_registered_lm(pretrained=False, **kw):  # a user's entry point
+        return llama.Llama(**kw)
+
+    _test_registered_lm.mixprec_task = "lm"
+    register_model(_test_registered_lm)
+    with pytest.raises(ConfigError, match="a language model and this data is images"):
+        sources.check_fits("_test_registered_lm", tasks.CLASSIFY)
+    with pytest.raises(ConfigError, match="an image model and this data is token sequences"):
+        sources.check_fits("resnet18", tasks.LanguageModel())
+    sources.check_fits("_test_registered_lm", tasks.LanguageModel())  # token data: it fits
+
+
 LM = ["model=llama_tiny", "data=text", "data.max_mb=4", "trainer.log_every=10"]
 SMALL = [*LM, "data.seq_len=64", "batch=16", "data.val_sequences=32"]
 
