@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zygote  # tests/zygote.py: train.py runs forked from a process that has imported its modules
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -82,7 +83,14 @@ def run_train(
 ) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env_extra or {})})
-    return run_session([sys.executable, str(ROOT / "train.py"), *args], cwd, env, timeout)
+    cmd = [sys.executable, str(ROOT / "train.py"), *args]
+    if not zygote.eligible(env):
+        return run_session(cmd, cwd, env, timeout)
+    mark = uuid.uuid4().hex  # (the zygote's train.py: tests/zygote.py)
+    proc = zygote.Launched(args, cwd, {**env, "PYTHONFAULTHANDLER": "1", FAMILY: mark})
+    proc.family_mark = mark
+    out, err = finish(proc, timeout)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 FAMILY = "MIXPREC_TEST_RUN"  # start_session's mark: every process a test run started has it
@@ -156,6 +164,8 @@ def _family(proc: subprocess.Popen) -> list[int]:
                 found.append(int(environ.parent.name))
         except OSError:
             continue
+    if proc.poll() is None and proc.pid not in found:  # forked by tests/zygote.py: its
+        found.append(proc.pid)  # environment is the zygote's in /proc
     return sorted(found)
 
 

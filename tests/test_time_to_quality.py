@@ -135,6 +135,9 @@ def test_the_cpu_study_runs_end_to_end_through_train_py(tmp_path):
             "seed=0,1",
             "trainer.max_steps=30",
             "study.budget=20",
+            "batch=8",  # the preset's model and data, smaller: the study's mechanics only
+            "data.seq_len=32",
+            "data.val_sequences=16",
             "logger=none",
             f"hydra.sweep.dir={tmp_path}",
         ]

@@ -1,0 +1,45 @@
+"""The tests' train.py runs start from tests/zygote.py (a fork of a process that has imported
+what train.py imports): it must write what `python train.py` writes."""
+
+from __future__ import annotations
+
+import json
+
+import zygote
+
+from conftest import run_train, train_losses
+
+QUICK = ["hardware=cpu", "logger=none", "trainer.max_steps=4", "trainer.log_every=1"]
+
+
+def test_a_run_from_the_zygote_writes_what_a_new_process_writes(tmp_path, monkeypatch):
+    runs = {}
+    for how in ("zygote", "process"):
+        monkeypatch.setenv("MIXPREC_TEST_ZYGOTE", "1" if how == "zygote" else "0")
+        d = tmp_path / how
+        proc = run_train([*QUICK, f"hydra.run.dir={d}"])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        summary = json.loads((d / "summary.json").read_text())
+        runs[how] = (train_losses(d), summary["val_loss"], summary["status"], proc.stdout)
+    assert runs["zygote"][:3] == runs["process"][:3]
+    for how in runs:  # the same log lines (less their times)
+        assert "completed in" in runs[how][3] and "first step took" in runs[how][3]
+
+
+def test_a_config_error_from_the_zygote_exits_2_with_the_same_message(tmp_path, monkeypatch):
+    got = {}
+    for how in ("zygote", "process"):
+        monkeypatch.setenv("MIXPREC_TEST_ZYGOTE", "1" if how == "zygote" else "0")
+        proc = run_train([*QUICK, "optimizer.lr=-1", f"hydra.run.dir={tmp_path / how}"])
+        said = (proc.stdout + proc.stderr).strip().splitlines()[-1]
+        got[how] = (proc.returncode, said.split(" - ", 1)[-1])  # (less the time it was said)
+    assert got["zygote"] == got["process"]
+    assert got["zygote"][0] == 2 and "optimizer.lr" in got["zygote"][1]
+
+
+def test_a_run_that_needs_an_import_time_variable_starts_a_new_process(monkeypatch):
+    monkeypatch.setenv("MIXPREC_TEST_ZYGOTE", "1")
+    assert zygote.eligible({**zygote.os.environ, "OMP_NUM_THREADS": "1"})
+    assert not zygote.eligible({**zygote.os.environ, "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"})
+    monkeypatch.setenv("MIXPREC_TEST_ZYGOTE", "0")
+    assert not zygote.eligible(dict(zygote.os.environ))
