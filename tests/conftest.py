@@ -78,11 +78,21 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
+def threads_as_here(env: dict) -> dict:
+    """`env` for a process a test starts: under pytest-xdist one CPU thread, as this process
+    (see the top; four threads on 2 cores ran the suite 5 min slower), unless `env` says. Runs
+    compared bit for bit must use the same number of threads: start them all through here."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
 def run_train(
     args: list[str], cwd: Path = ROOT, env_extra: dict | None = None, timeout: int = 600
 ) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env_extra or {})})
+    env = threads_as_here(env)
     cmd = [sys.executable, str(ROOT / "train.py"), *args]
     if not zygote.eligible(env):
         return run_session(cmd, cwd, env, timeout)
@@ -102,10 +112,11 @@ def start_session(cmd: list[str], cwd: Path, env: dict, merge: bool = False) -> 
     started. Python's faulthandler is on in all of them, so that a hang can show its stacks.
     `merge`: stderr into stdout, in the order written."""
     mark = uuid.uuid4().hex
+    env = threads_as_here({**env, "PYTHONFAULTHANDLER": "1", FAMILY: mark})
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,
-        env={**env, "PYTHONFAULTHANDLER": "1", FAMILY: mark},
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if merge else subprocess.PIPE,
         text=True,

@@ -20,7 +20,7 @@ from mixprec.precision import base as precision
 from mixprec.run import session as run
 from mixprec.train import ledger, loop
 
-from conftest import ROOT, group, last_weights, run_train
+from conftest import ROOT, group, last_weights, run_train, threads_as_here
 
 # Deterministic on the CPU: digits, a fixed seed, dropout's RNG restored from the checkpoint.
 BASE = ["hardware=cpu", "trainer.max_steps=150", "ckpt.every_steps=10", "trainer.log_every=5"]
@@ -36,7 +36,7 @@ def assert_identical(a: dict, b: dict) -> None:
 
 
 def start(run_dir: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env = threads_as_here({**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     return subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), *BASE, *extra, f"hydra.run.dir={run_dir}"],
         cwd=ROOT,
