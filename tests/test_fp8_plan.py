@@ -272,8 +272,8 @@ def test_the_timing_process_starts_early_only_where_the_cache_lacks_this_gpu(mon
 
 
 def test_a_timing_child_that_is_not_needed_ends_with_its_process_group():
-    """close() ends a child still warming up (here: waiting on its stdin), and its process group
-    with it; so does the parent dropping it."""
+    """close() ends a child still importing or waiting for its share on its stdin, and its
+    process group with it; so does the parent dropping it."""
     child = fp8_timing.Child(torch.device("cpu"), False)
     pid = child.proc.pid
     child.close()

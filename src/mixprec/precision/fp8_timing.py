@@ -5,12 +5,15 @@ autocast, in bf16 or torchao's Float8Linear with a recipe, compiled for its shap
 compiles, captured in a CUDA graph and replayed (gemm_step, Captured).
 
 The timings run in child processes on the same GPU (Child; one per 4 CPU cores, at most 4),
-started before the data and the model are built so that the compile stack's first use
-(inductor, Triton, its workers) overlaps them. A float8 timing's cost is its compile (2.5-5.8 s
-each on the 8B slice's shapes on an H200; its GPU time is milliseconds), so the children
-compile and capture their shares at once and then time them one after another: no timing
-shares the GPU (planning on a new machine: 25.3 s with one child, 17.7-20.8 s with four on the
-8B slice; H200, 2026-12-03, benchmarks/RESULTS.md). Each timing leaves 65-130 MiB allocated
+started before the data and the model are built so that their imports (torch, torchao,
+inductor: 5.4 s on an H200's host) overlap them. A float8 timing's cost is its compile (2.5-5.8 s
+each on the 8B slice's shapes on an H200, the first in a process 5-8 s more: the compile stack's
+first use; its GPU time is milliseconds), so the children compile and capture their shares at
+once and then time them one after another: no timing shares the GPU (planning on a new machine:
+25.3 s with one child, 17.7-20.8 s with four on the 8B slice; H200, 2026-12-03,
+benchmarks/RESULTS.md). A child compiles nothing before its share arrives: a warm-up compile of
+a small float8 Linear made four children 4-5 s slower on the 8B slice (25.3-25.8 s against
+20.4-22.2 s, alternated in one call; H200, 2026-12-03). Each timing leaves 65-130 MiB allocated
 that neither torch.compiler.reset(), the graph's reset nor gc frees in-process
 (benchmarks/fp8_plan_leak.py; H200, 2026-12-02), and a cold-cache fp8_auto run planned
 in-process peaked 0.8-1.1 GiB above bf16; in a child, that memory leaves with it.
@@ -19,6 +22,7 @@ in-process peaked 0.8-1.1 GiB above bf16; in a child, that memory leaves with it
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -138,9 +142,8 @@ def processes() -> int:
 
 class Child:
     """A process the timings run in, on the run's GPU. Started before the data and the model
-    are built (Plugin.warm_up), it imports torch and torchao and compiles a throwaway float8
-    Linear meanwhile (the compile stack's first-use costs: inductor, Triton, its workers),
-    then waits for its share of the shapes on its stdin. It compiles and captures each, says
+    are built (Plugin.warm_up), it imports torch, torchao and inductor meanwhile, then waits
+    for its share of the shapes on its stdin. It compiles and captures each, says
     "ready", and times them when told "go": the children compile at once, and time one after
     another, so no timing shares the GPU. `close()` ends it, and so does the training
     process's end (its stdin closes). A process group of its own, so its compile workers end
@@ -257,17 +260,17 @@ def time_in_child(
 
 
 def _child() -> None:
-    """`python -m mixprec.precision.fp8_timing '{compiled, device}'` < {todo}, go: warm up, then
-    compile and capture each (shapes, recipe) of the todo, print "ready", and on "go" time them
+    """`python -m mixprec.precision.fp8_timing '{compiled, device}'` < {todo}, go: compile and
+    capture each (shapes, recipe) of the todo, print "ready", and on "go" time them
     and print {"us": [...]} (Child's other end)."""
     setup = json.loads(sys.argv[1])
     device, compiled = torch.device(setup["device"]), setup["compiled"]
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    started = time.perf_counter()
-    if compiled and device.type == "cuda":  # (skipped when the shapes came first, the plan
-        _warm_up(device)  # took 19.8 s against 17.7 on the 8B slice: H200, 2026-12-03)
-        print(f"fp8 plan: warmed up in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    # imported while the training process builds its data and model
+    importlib.import_module("torchao.float8")
+    if compiled:
+        importlib.import_module("torch._inductor.compile_fx")
     line = sys.stdin.readline()
     if not line:  # not needed after all (every timing cached; a resumed plan)
         return
@@ -291,33 +294,6 @@ def _child() -> None:
     us = [c.us() for c in captured]
     print(f"fp8 plan: timed {len(us)} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     print(json.dumps({"us": us}), flush=True)
-
-
-class _Warm(nn.Module):
-    """A small float8 Linear compiled before the shapes arrive: the compile stack's first-use
-    costs (inductor, Triton, its worker pool, the float8 GEMM's first launch) are paid while the
-    training process builds its data and model."""
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
-        self.layer = nn.Linear(256, 256, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x)
-
-
-def _warm_up(device: torch.device) -> None:
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    warm = convert_to_float8_training(
-        _Warm(device), config=Float8LinearConfig.from_recipe_name("tensorwise")
-    )
-    run = torch.compile(warm, dynamic=False)
-    x = torch.randn(256, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        y = run(x)
-    y.sum().backward()
-    torch.cuda.synchronize(device)
 
 
 if __name__ == "__main__":
