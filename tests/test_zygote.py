@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import zygote
 
 from conftest import run_train, train_losses
@@ -12,6 +13,7 @@ from conftest import run_train, train_losses
 QUICK = ["hardware=cpu", "logger=none", "trainer.max_steps=4", "trainer.log_every=1"]
 
 
+@pytest.mark.slow  # (train.py runs: the full suite's)
 def test_a_run_from_the_zygote_writes_what_a_new_process_writes(tmp_path, monkeypatch):
     runs = {}
     for how in ("zygote", "process"):
@@ -26,6 +28,7 @@ def test_a_run_from_the_zygote_writes_what_a_new_process_writes(tmp_path, monkey
         assert "completed in" in runs[how][3] and "first step took" in runs[how][3]
 
 
+@pytest.mark.slow
 def test_a_config_error_from_the_zygote_exits_2_with_the_same_message(tmp_path, monkeypatch):
     got = {}
     for how in ("zygote", "process"):
