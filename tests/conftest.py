@@ -92,27 +92,27 @@ def run_train(
 ) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env_extra or {})})
-    env = threads_as_here(env)
     cmd = [sys.executable, str(ROOT / "train.py"), *args]
-    if not zygote.eligible(env):
-        return run_session(cmd, cwd, env, timeout)
-    mark = uuid.uuid4().hex  # (the zygote's train.py: tests/zygote.py)
-    proc = zygote.Launched(args, cwd, {**env, "PYTHONFAULTHANDLER": "1", FAMILY: mark})
-    proc.family_mark = mark
-    out, err = finish(proc, timeout)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return run_session(cmd, cwd, env, timeout, forked=True)
 
 
 FAMILY = "MIXPREC_TEST_RUN"  # start_session's mark: every process a test run started has it
 
 
-def start_session(cmd: list[str], cwd: Path, env: dict, merge: bool = False) -> subprocess.Popen:
+def start_session(
+    cmd: list[str], cwd: Path, env: dict, merge: bool = False, forked: bool = False
+) -> subprocess.Popen:
     """`cmd` as the leader of a session of its own (as a terminal or `timeout` starts it): the
     group can be signalled without signalling pytest, and finish() can find every process it
     started. Python's faulthandler is on in all of them, so that a hang can show its stacks.
-    `merge`: stderr into stdout, in the order written."""
+    `merge`: stderr into stdout, in the order written. `forked` (cmd: python train.py ARGS):
+    forked from tests/zygote.py where the environment allows (zygote.eligible)."""
     mark = uuid.uuid4().hex
     env = threads_as_here({**env, "PYTHONFAULTHANDLER": "1", FAMILY: mark})
+    if forked and zygote.eligible(env):
+        proc = zygote.Launched(cmd[2:], cwd, env, merge)
+        proc.family_mark = mark
+        return proc
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,
@@ -181,10 +181,10 @@ def _family(proc: subprocess.Popen) -> list[int]:
 
 
 def run_session(
-    cmd: list[str], cwd: Path, env: dict, timeout: float
+    cmd: list[str], cwd: Path, env: dict, timeout: float, forked: bool = False
 ) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, capture_output=True, text=True), through start_session/finish."""
-    proc = start_session(cmd, cwd, env)
+    proc = start_session(cmd, cwd, env, forked=forked)
     out, err = finish(proc, timeout)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 

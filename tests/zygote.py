@@ -11,8 +11,9 @@ runpy: SystemExit, an uncaught exception or Ctrl-C end it through the interprete
 as they end `python train.py`. The server reports each child's pid, then its exit status.
 
 Launched is the client: a subprocess.Popen for conftest.finish() (pid, communicate, poll, wait,
-returncode). conftest.run_train uses it unless the run needs an environment read at import time
-(only the keys in SAFE_ENV may differ) or MIXPREC_TEST_ZYGOTE=0; tests about how a process
+returncode). conftest.run_train uses it (start_session's `forked`) unless the run needs an
+environment read at import time (only the keys in SAFE_ENV may differ) or
+MIXPREC_TEST_ZYGOTE=0; tests about how a process
 starts, signals and torchrun start real processes. tests/test_zygote.py checks that a run
 through it and a real process write the same things.
 """
@@ -52,6 +53,8 @@ PRELOAD = (
 # environment keys a child may set that nothing reads while importing PRELOAD
 SAFE_ENV = {"PYTHONPATH", "OMP_NUM_THREADS", "WANDB_MODE", "WANDB_SILENT", "PYTHONFAULTHANDLER"}
 SAFE_PREFIXES = ("MIXPREC_TEST_",)
+# the zygote's own PYTHONPATH entries: a child's come from its request's environment instead
+BASE_PYTHONPATH = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
 
 
 def eligible(env: dict) -> bool:
@@ -143,9 +146,6 @@ def become(request: dict) -> None:
         faulthandler.enable()
     sys.argv = [str(TRAIN), *request["args"]]
     signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-BASE_PYTHONPATH = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ inductor: 5.4 s on an H200's host) overlap them. A float8 timing's cost is its c
 each on the 8B slice's shapes on an H200, the first in a process 5-8 s more: the compile stack's
 first use; its GPU time is milliseconds), so the children compile and capture their shares at
 once and then time them one after another: no timing shares the GPU (planning on a new machine:
-25.3 s with one child, 17.7-20.8 s with four on the 8B slice; H200, 2026-12-03,
+25.3 s with one child, 16.0 s with four on the 8B slice, 14.0 s on ViT-B; H200, 2026-12-03,
 benchmarks/RESULTS.md). A child compiles nothing before its share arrives: a warm-up compile of
 a small float8 Linear made four children 4-5 s slower on the 8B slice (25.3-25.8 s against
 20.4-22.2 s, alternated in one call; H200, 2026-12-03). Each timing leaves 65-130 MiB allocated
