@@ -76,6 +76,7 @@ class Plugin(Precision):
     plan_s: float = 0.0  # seconds the plan took (shapes, timings; 0: resumed or none)
     timed: int = 0  # GEMM timings it measured (0: every one came from the cache)
     children: list = field(default_factory=list)  # the timing processes, started by warm_up
+    children_t0: float | None = None  # when warm_up started them (perf_counter)
 
     def check_device(self, device: torch.device) -> None:
         """A GPU with float8 tensor cores, and torchao installed; else a config error."""
@@ -108,6 +109,7 @@ class Plugin(Precision):
         here = fp8_plan.machine(device) + "|"
         if not any(k.startswith(here) for k in fp8_plan.TimingCache(self.cfg.fp8_plan_cache).data):
             self.children = fp8_timing.start_children(device, compiled)
+            self.children_t0 = time.perf_counter()
 
     def convert(self, model: nn.Module) -> nn.Module:
         from torchao.float8 import convert_to_float8_training
@@ -183,9 +185,12 @@ class Plugin(Precision):
         self.plan_s = time.perf_counter() - started
         self.timed = len(cache.data) - known
         log.info(
-            "precision.fp8_layers=auto: the plan, measured in %.1fs on this GPU (per "
+            "precision.fp8_layers=auto: the plan, measured in %.1fs on this GPU%s (per "
             "forward+backward of one micro-batch):\n%s",
             self.plan_s,
+            ""
+            if self.children_t0 is None
+            else f" (its timing processes started {started - self.children_t0:.1f}s before)",
             fp8_plan.table(choices, list(cfg.fp8_candidates)),
         )
         return choices

@@ -6,17 +6,18 @@ compiles, captured in a CUDA graph and replayed (gemm_step, Captured).
 
 The timings run in child processes on the same GPU (Child; one per 4 CPU cores, at most 4),
 started before the data and the model are built so that their imports (torch, torchao,
-inductor: 5.4 s on an H200's host) overlap them. A float8 timing's cost is its compile (2.5-5.8 s
-each on the 8B slice's shapes on an H200, the first in a process 5-8 s more: the compile stack's
-first use; its GPU time is milliseconds), so the children compile and capture their shares at
-once and then time them one after another: no timing shares the GPU (planning on a new machine:
-25.3 s with one child, 16.0 s with four on the 8B slice, 14.0 s on ViT-B; H200, 2026-12-03,
-benchmarks/RESULTS.md). A child compiles nothing before its share arrives: a warm-up compile of
-a small float8 Linear made four children 4-5 s slower on the 8B slice (25.3-25.8 s against
-20.4-22.2 s, alternated in one call; H200, 2026-12-03). Each timing leaves 65-130 MiB allocated
-that neither torch.compiler.reset(), the graph's reset nor gc frees in-process
-(benchmarks/fp8_plan_leak.py; H200, 2026-12-02), and a cold-cache fp8_auto run planned
-in-process peaked 0.8-1.1 GiB above bf16; in a child, that memory leaves with it.
+inductor) overlap them. They overlap little: the training process reaches the plan 0.4-1.9 s
+after starting them, and the imports took 5.4 s on one H200 host and 10-17 s on two others,
+which decides the planning time (8B slice: 16.0 s there, 20.0-26.1 s here; ViT-B 14.0 s and
+18.9 s; 2026-12-03, benchmarks/RESULTS.md). A float8 timing's cost is its compile (5-13 s
+each on the 8B slice's shapes, most of it the compile stack's first use in a process; its GPU
+time is milliseconds), so the children compile and capture their shares at once and then time
+them one after another: no timing shares the GPU. A child compiles nothing before its share
+arrives: a warm-up compile of a small float8 Linear made four children 4-5 s slower on the 8B
+slice (25.3-25.8 s against 20.4-22.2 s, alternated in one call; H200, 2026-12-03). Each timing
+leaves 65-130 MiB allocated that neither torch.compiler.reset(), the graph's reset nor gc frees
+in-process (benchmarks/fp8_plan_leak.py; H200, 2026-12-02), and a cold-cache fp8_auto run
+planned in-process peaked 0.8-1.1 GiB above bf16; in a child, that memory leaves with it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import contextlib
 import importlib
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -111,22 +113,27 @@ class Captured:
             return cls(step, step, None)
         return cls(step, graph.replay, graph)
 
-    def us(self, reps: int = 20) -> float:
-        """GPU microseconds of one step: the median of three runs of `reps` replays (the host's
-        launch overhead, amortised in a whole model's compiled step, is not counted); then the
-        graph's private pool is given back."""
-        runs = []
-        for _ in range(3):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                self.replay()
-            end.record()
-            end.synchronize()
-            runs.append(1000 * start.elapsed_time(end) / reps)
+    def us(self, run_ms: float = 15.0, most: int = 20) -> float:
+        """GPU microseconds of one step: the median of three runs of replays, each run as many
+        replays as fill about `run_ms` (3 to `most`; one replay first sizes them: a 9 ms step
+        is replayed 3 times a run, not 20) (the host's launch overhead, amortised in a whole
+        model's compiled step, is not counted); then the graph's private pool is given back."""
+        one = self._replays(1)
+        reps = max(3, min(most, math.ceil(run_ms * 1000 / max(one, 1.0))))
+        runs = sorted(self._replays(reps) for _ in range(3))
         if self.graph is not None:
             self.graph.reset()
-        return sorted(runs)[1]
+        return runs[1]
+
+    def _replays(self, reps: int) -> float:
+        """Microseconds of GPU time per replay, over `reps` replays."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            self.replay()
+        end.record()
+        end.synchronize()
+        return 1000 * start.elapsed_time(end) / reps
 
 
 def time_gemm(gemms: tuple[Gemm, ...], recipe: str, compiled: bool, device: torch.device) -> float:
@@ -152,7 +159,7 @@ class Child:
     def __init__(self, device: torch.device, compiled: bool, threads: int | None = None) -> None:
         if device.type == "cuda" and device.index is None:  # the child's GPU: this process's
             device = torch.device("cuda", torch.cuda.current_device())
-        setup = json.dumps({"compiled": compiled, "device": str(device)})
+        setup = json.dumps({"compiled": compiled, "device": str(device), "t0": time.time()})
         env = dict(os.environ)
         if threads:  # inductor's compile workers: the children share the cores
             env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))
@@ -271,10 +278,17 @@ def _child() -> None:
     importlib.import_module("torchao.float8")
     if compiled:
         importlib.import_module("torch._inductor.compile_fx")
+    since = lambda: time.time() - setup["t0"]  # noqa: E731 (seconds since it was started)
+    imported = since()
     line = sys.stdin.readline()
     if not line:  # not needed after all (every timing cached; a resumed plan)
         return
     todo = json.loads(line)["todo"]
+    print(  # which came last, the share or the imports: the start's cost to the plan
+        f"fp8 plan: a timing process imported in {imported:.1f}s, its share came at {since():.1f}s",
+        file=sys.stderr,
+        flush=True,
+    )
     captured = []
     for i, (shapes, recipe) in enumerate(todo):
         started = time.perf_counter()
@@ -292,7 +306,11 @@ def _child() -> None:
         return
     started = time.perf_counter()
     us = [c.us() for c in captured]
-    print(f"fp8 plan: timed {len(us)} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    print(
+        f"fp8 plan: timed {len(us)} in {time.perf_counter() - started:.1f}s, "
+        f"done at {since():.1f}s",
+        file=sys.stderr,
+    )
     print(json.dumps({"us": us}), flush=True)
 
 
