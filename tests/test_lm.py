@@ -192,12 +192,23 @@ def test_llama_tiny_learns_real_text_below_the_unigram_baseline(cfg_factory):
 
 @pytest.mark.slow
 def test_amp_bf16_and_fp32_reach_the_same_loss(cfg_factory):
-    """On the CPU (autocast to fp16 or bf16): after 30 steps the val losses agree within 0.05
-    nats (the same seed and data; the low-precision matmuls round differently)."""
+    """On the CPU (autocast to fp16 or bf16): after 30 steps every precision has learned (from
+    ln 256 = 5.55 nats, a uniform guess over bytes, to below 4.5) and the val losses agree within
+    0.05 nats (the same seed and data; the low-precision matmuls round differently). A small
+    shape: this CPU multiplies bf16 and fp16 12x slower than fp32 (no units for them)."""
     losses = {}
     for p in ("fp32", "amp", "bf16"):
-        cfg = cfg_factory(*SMALL, f"precision={p}", "trainer.max_steps=30", "optimizer.lr=0.003")
+        cfg = cfg_factory(
+            *LM,
+            "data.seq_len=32",
+            "batch=8",
+            "data.val_sequences=16",
+            f"precision={p}",
+            "trainer.max_steps=30",
+            "optimizer.lr=0.003",
+        )
         losses[p] = run.run(cfg)["val_loss"]
+    assert max(losses.values()) < 4.5, losses
     assert max(losses.values()) - min(losses.values()) < 0.05, losses
 
 

@@ -28,6 +28,9 @@ SHORT = [
     "trainer.perf_warmup_steps=0",
 ]
 TIMED = ["trainer.max_steps=11", "hydra.sweeper.n_trials=2"]  # optuna's objective is samples/s
+# a language model's commands on a smaller shape too: this CPU has no bf16 or fp16 matmul units
+# (12x slower than fp32), and the defaults' batch of 8,192 tokens took 9 s a step in bf16
+LM_SHORT = ["data.seq_len=32", "data.val_sequences=8", "batch=8"]
 GPU = re.compile(
     r"experiment=(resnet50_synthetic|fast|seed_table|fp8_table|lm_table|optim_table|quality_lm|quality_llama_1b)|"
     r"needs_gpu=true|optimizer.offload=cpu|"
@@ -67,11 +70,12 @@ def as_the_shell_passes(command: str) -> list[str]:
 @pytest.mark.parametrize("command", readme_commands())
 def test_every_readme_command_works_as_written(command, tmp_path):
     args = as_the_shell_passes(command)
+    short = SHORT + (LM_SHORT if re.search(r"data=(text|tokens)\b", command) else [])
     if "-m" in args or any(a in SWEEP_PRESETS for a in args):
         extra = TIMED if "optuna" in command else []
         if "hydra.sweeper.params.batch" in command:  # what it shows is the quoting: 2 jobs do
             extra = ["hydra.sweeper.params.precision=fp32"]
-        proc = run_train([*args, *SHORT, *extra, f"hydra.sweep.dir={tmp_path}"], timeout=400)
+        proc = run_train([*args, *short, *extra, f"hydra.sweep.dir={tmp_path}"], timeout=400)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
         assert (tmp_path / "report.md").exists()
         if "optuna" in command:  # the study ran its trials and names the best parameters
@@ -80,7 +84,7 @@ def test_every_readme_command_works_as_written(command, tmp_path):
             assert set(best["best_params"]) == {"batch", "model.channels_last", "model.compile"}
             assert len([d for d in tmp_path.iterdir() if d.name.isdigit()]) == 2
         return
-    cfg = compose_cfg([*args, *SHORT], tmp_path / "run")  # the parser train.py uses
+    cfg = compose_cfg([*args, *short], tmp_path / "run")  # the parser train.py uses
     if GPU.search(command) or "data.root=" in command:
         with pytest.raises(ConfigError, match="GPU|CUDA|data.root"):
             run.run(cfg)
