@@ -99,18 +99,29 @@ def run_train(
 FAMILY = "MIXPREC_TEST_RUN"  # start_session's mark: every process a test run started has it
 
 
+def run_module(
+    module: str, args: list, cwd: Path = ROOT, timeout: int = 300
+) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` (mixprec.diagnose, .report, .export, .prepare, .sync) as
+    subprocess.run(capture_output=True, text=True) runs it, forked from the zygote."""
+    cmd = [sys.executable, "-m", module, *map(str, args)]
+    return run_session(cmd, cwd, dict(os.environ), timeout, forked=True)
+
+
 def start_session(
     cmd: list[str], cwd: Path, env: dict, merge: bool = False, forked: bool = False
 ) -> subprocess.Popen:
     """`cmd` as the leader of a session of its own (as a terminal or `timeout` starts it): the
     group can be signalled without signalling pytest, and finish() can find every process it
     started. Python's faulthandler is on in all of them, so that a hang can show its stacks.
-    `merge`: stderr into stdout, in the order written. `forked` (cmd: python train.py ARGS):
-    forked from tests/zygote.py where the environment allows (zygote.eligible)."""
+    `merge`: stderr into stdout, in the order written. `forked` (cmd: python train.py ARGS, or
+    python -m MODULE ARGS): forked from tests/zygote.py where the environment allows
+    (zygote.eligible)."""
     mark = uuid.uuid4().hex
     env = threads_as_here({**env, "PYTHONFAULTHANDLER": "1", FAMILY: mark})
     if forked and zygote.eligible(env):
-        proc = zygote.Launched(cmd[2:], cwd, env, merge)
+        module = cmd[2] if cmd[1] == "-m" else ""  # python -m mixprec.X ARGS, or train.py ARGS
+        proc = zygote.Launched(cmd[3:] if module else cmd[2:], cwd, env, merge, module)
         proc.family_mark = mark
         return proc
     proc = subprocess.Popen(

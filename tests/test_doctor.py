@@ -4,8 +4,6 @@ layer, in the forward and in the backward, directly and through train.py."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import OrderedDict
 from pathlib import Path
 
@@ -20,6 +18,8 @@ from mixprec.diagnostics import doctor
 from mixprec.precision.base import GradScaler, Precision, PrecisionConfig
 from mixprec.run import session as run
 from mixprec.train import loop
+
+from conftest import run_module
 
 
 class Scale(nn.Module):
@@ -165,11 +165,7 @@ def test_a_divergence_stop_names_the_layer_without_being_asked(cfg_factory, tmp_
     (found,) = summary["doctor"]
     assert found["trigger"] == "divergence stop" and found["module"] == "1.amplifier"
     assert found["loss_scale"] == 16384.0 and "The doctor" in summary["error"]
-    shown = subprocess.run(
-        [sys.executable, "-m", "mixprec.diagnose", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-    )
+    shown = run_module("mixprec.diagnose", [str(tmp_path / "run")])
     assert shown.returncode == 0, shown.stderr
     assert "1.amplifier" in shown.stdout and "divergence stop" in shown.stdout
 

@@ -21,7 +21,7 @@ from mixprec.core.errors import CheckpointError
 from mixprec.run import rundir
 from mixprec.run import session as run
 
-from conftest import ROOT, finish, last_weights, run_train, start_session
+from conftest import ROOT, finish, last_weights, run_module, run_train, start_session
 
 PLUGINS = ROOT / "tests" / "plugins"
 SMALL = ["hardware=cpu", "logger=none", "trainer.log_every=2", "trainer.perf_warmup_steps=0"]
@@ -182,11 +182,7 @@ def test_low_bit_state_checkpoints_export_and_name_the_setting_in_a_fresh_proces
     d = tmp_path / "8bit"
     args = [*SMALL, "optimizer.state=8bit", "trainer.max_steps=3", f"hydra.run.dir={d}"]
     assert run_train(args).returncode == 0
-    exported = subprocess.run(
-        [sys.executable, "-m", "mixprec.export", str(d), "--out", str(tmp_path / "new" / "w.pt")],
-        capture_output=True,
-        text=True,
-    )
+    exported = run_module("mixprec.export", [str(d), "--out", str(tmp_path / "new" / "w.pt")])
     assert exported.returncode == 0, exported.stderr[-2000:]
     assert torch.load(tmp_path / "new" / "w.pt", weights_only=True)  # into a folder made for it
     other = run_train(
@@ -266,9 +262,7 @@ def test_no_logger_chosen_is_logger_none(tmp_path):
 @pytest.mark.slow
 def test_diagnose_on_a_summary_it_cannot_read_says_so(tmp_path, content, needle):
     (tmp_path / "summary.json").write_bytes(content)
-    p = subprocess.run(
-        [sys.executable, "-m", "mixprec.diagnose", str(tmp_path)], capture_output=True, text=True
-    )
+    p = run_module("mixprec.diagnose", [str(tmp_path)])
     assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr
 
 
@@ -326,9 +320,7 @@ def test_a_damaged_sharded_checkpoint_is_exit_5_naming_it_at_resume_and_export(
     # (torch's own logger may warn with a traceback of its fallback; mixprec's is one line)
     mine = out[out.index("checkpoint error:") :]
     assert "step_00000002.dcp" in mine and "Traceback" not in mine
-    exported = subprocess.run(
-        [sys.executable, "-m", "mixprec.export", str(d)], capture_output=True, text=True
-    )
+    exported = run_module("mixprec.export", [str(d)])
     last = exported.stderr.strip().splitlines()[-1]
     assert exported.returncode == 5 and last.startswith("checkpoint error:"), exported.stderr
     assert "step_00000002.dcp" in last
@@ -383,11 +375,7 @@ def test_a_run_dir_that_cannot_be_written_is_exit_9_in_one_line(tmp_path, read_o
     assert (done / "summary.json").read_bytes() == before
     multi = run_train(["-m", *SMALL, f"hydra.sweep.dir={tmp_path / 'fs' / 'sweep'}", "seed=0,1"])
     assert multi.returncode == 9 and "hydra.sweep.dir=" in one_line(multi)
-    report = subprocess.run(
-        [sys.executable, "-m", "mixprec.report", str(done), "--no-wandb"],
-        capture_output=True,
-        text=True,
-    )
+    report = run_module("mixprec.report", [str(done), "--no-wandb"])
     assert report.returncode == 9 and "cannot write" in one_line(report)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_train
+from conftest import ROOT, run_module, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -140,12 +140,7 @@ def test_report_cells_are_escaped_and_several_run_dirs_get_a_report_dir_of_their
             run_train(["trainer.max_steps=2", "logger=none", f"hydra.run.dir={d}"]).returncode == 0
         )
         runs.append(str(d))
-    proc = subprocess.run(
-        [sys.executable, "-m", "mixprec.report", *runs, "--no-wandb"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-    )
+    proc = run_module("mixprec.report", [*runs, "--no-wandb"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert list(tmp_path.glob("outputs/reports/*/report.md"))
     assert not any((tmp_path / n / "report.md").exists() for n in ("one", "two"))
@@ -161,9 +156,7 @@ def test_report_cells_are_escaped_and_several_run_dirs_get_a_report_dir_of_their
 def test_the_diagnose_cli_gives_config_errors_as_train_py_does(args, needle):
     if torch.cuda.is_available() and "fp8" in args[0]:
         pytest.skip("a GPU may run fp8")
-    proc = subprocess.run(
-        [sys.executable, "-m", "mixprec.diagnose", *args], cwd=ROOT, capture_output=True, text=True
-    )
+    proc = run_module("mixprec.diagnose", [*args])
     assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -222,4 +215,5 @@ def test_a_sweep_prints_its_table_once_and_ends_with_its_result(tmp_path):
     header = [line for line in out.splitlines() if line.startswith("run ") and "status" in line]
     assert len(header) == 1  # the table once, when the sweep ends (not after every job)
     assert not any(line.startswith("wandb:") for line in out.splitlines())  # W&B is quiet
-    assert out.strip().splitlines()[-1].startswith("wrote ")  # the report is the last word
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("wrote "), out[-3000:]  # the report is the last word

@@ -24,7 +24,15 @@ from mixprec.run import build
 from mixprec.run import session as run
 from mixprec.run.config import validate
 
-from conftest import ROOT, compose_cfg, last_weights, run_torchrun, run_train, train_losses
+from conftest import (
+    ROOT,
+    compose_cfg,
+    last_weights,
+    run_module,
+    run_torchrun,
+    run_train,
+    train_losses,
+)
 
 PLUGINS = ROOT / "tests" / "plugins"
 PLUGINS_DIR = f"data.path={PLUGINS}"  # the folder holding the user's code
@@ -375,7 +383,6 @@ def test_an_own_lm_and_an_hf_llama_train_in_fp8_compiled_per_block_on_the_gpu(tm
 def test_the_dtype_audit_the_doctor_and_export_take_a_users_model(tmp_path):
     """diagnose=true (the dtype audit and tensor-core check), debug.locate=true (the doctor's
     hooks) and `python -m mixprec.export`, on a model from tests/plugins under amp."""
-    import subprocess
 
     c = cfg(
         tmp_path,
@@ -390,9 +397,7 @@ def test_the_dtype_audit_the_doctor_and_export_take_a_users_model(tmp_path):
     audit = json.loads((d / "diagnose.json").read_text())
     modules = {m["module"]: m for m in audit["modules"]}  # read from the user's live modules
     assert s["status"] == "completed" and modules["blocks.0.conv"]["dtype"] == "float16"
-    out = subprocess.run(
-        [sys.executable, "-m", "mixprec.export", str(d)], capture_output=True, text=True
-    )
+    out = run_module("mixprec.export", [str(d)])
     assert out.returncode == 0, out.stderr[-2000:]
     assert "from own_models import TinyConvNet" in out.stdout
 

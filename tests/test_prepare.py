@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,8 @@ from test_data import TINY
 
 from mixprec import prepare
 from mixprec.run import session as run
+
+from conftest import run_module
 
 
 def photo(w: int, h: int, seed: int) -> Image.Image:
@@ -84,7 +85,7 @@ def test_bad_input_exits_with_its_code_and_writes_nothing(tmp_path, caplog):
     dst = tmp_path / "dst"
     dst.mkdir()
     cmd = [sys.executable, "-m", "mixprec.prepare", str(src), str(dst), "--workers", "1"]
-    p = subprocess.run(cmd, capture_output=True, text=True)  # the exit code a shell sees
+    p = run_module("mixprec.prepare", cmd[3:])  # the exit code a shell sees
     assert p.returncode == 2 and f"DST {dst} exists" in p.stderr
     dst.rmdir()
     args = cmd[3:]
@@ -128,7 +129,7 @@ def test_a_symlink_loop_or_a_dangling_symlink_is_an_unreadable_image(tmp_path, c
     (cat / "loop_a.jpg").symlink_to(cat / "loop_b.jpg")
     (cat / "loop_b.jpg").symlink_to(cat / "loop_a.jpg")
     cmd = [sys.executable, "-m", "mixprec.prepare", str(src), str(dst), "--workers", "2"]
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    p = run_module("mixprec.prepare", cmd[3:])
     assert p.returncode == 4 and "loop_" in p.stderr and "Traceback" not in p.stderr
     assert not dst.exists()
     for f in ("loop_a.jpg", "loop_b.jpg"):

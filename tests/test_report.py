@@ -6,8 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ from mixprec.precision import base as precision
 from mixprec.report import plots as report_plots
 from mixprec.report import report
 
-from conftest import ROOT, group, run_train
+from conftest import group, run_module, run_train
 
 CPU = torch.device("cpu")
 
@@ -50,12 +48,7 @@ def test_multirun_writes_the_report_and_the_cli_reproduces_it(tmp_path):
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # the wandb.Table run
     first = (tmp_path / "report.md").read_text()
     (tmp_path / "report.md").unlink()
-    cli = subprocess.run(
-        [sys.executable, "-m", "mixprec.report", str(tmp_path), "--no-wandb"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    cli = run_module("mixprec.report", [str(tmp_path), "--no-wandb"])
     assert cli.returncode == 0, cli.stderr
     assert (tmp_path / "report.md").read_text() == first
     assert "precision=bf16" in cli.stdout
@@ -171,12 +164,7 @@ def test_loss_scale_plot(tmp_path):
 
 @pytest.mark.slow
 def test_diagnose_cli_prints_the_audit():
-    proc = subprocess.run(
-        [sys.executable, "-m", "mixprec.diagnose", "precision=bf16", "hardware=cpu"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    proc = run_module("mixprec.diagnose", ["precision=bf16", "hardware=cpu"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "## dtype audit (bf16)" in proc.stdout and "features.0" in proc.stdout
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,16 @@ from mixprec.run import session as run
 from mixprec.run.config import validate
 from mixprec.train import loop
 
-from conftest import LM_CPU, ROOT, group, last_weights, run_torchrun, run_train, train_losses
+from conftest import (
+    LM_CPU,
+    ROOT,
+    group,
+    last_weights,
+    run_module,
+    run_torchrun,
+    run_train,
+    train_losses,
+)
 
 LM = [*LM_CPU, "data.max_mb=1", "trainer.max_steps=4", "trainer.perf_warmup_steps=0"]
 losses, weights = train_losses, last_weights
@@ -115,9 +123,7 @@ def test_a_checkpoint_resumes_only_under_the_strategy_that_wrote_it(cfg_factory)
 def test_export_writes_plain_weights_and_refuses_a_dir_without_a_checkpoint(cfg_factory, tmp_path):
     cfg = cfg_factory("model=digits_mlp", "trainer.max_steps=2")
     run.run(cfg)
-    done = subprocess.run(
-        [sys.executable, "-m", "mixprec.export", cfg.run_dir], capture_output=True, text=True
-    )
+    done = run_module("mixprec.export", [cfg.run_dir])
     assert done.returncode == 0, done.stderr
     out = Path(cfg.run_dir) / "model-step2.pt"
     assert f"wrote {out}" in done.stdout and "load_state_dict" in done.stdout
@@ -126,9 +132,7 @@ def test_export_writes_plain_weights_and_refuses_a_dir_without_a_checkpoint(cfg_
     assert exported.keys() == saved.keys() and all(
         torch.equal(exported[k], saved[k]) for k in saved
     )
-    empty = subprocess.run(
-        [sys.executable, "-m", "mixprec.export", str(tmp_path)], capture_output=True, text=True
-    )
+    empty = run_module("mixprec.export", [str(tmp_path)])
     assert empty.returncode == 2 and "no checkpoint" in empty.stderr
 
 

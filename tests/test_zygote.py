@@ -8,7 +8,7 @@ import json
 import pytest
 import zygote
 
-from conftest import run_train, train_losses
+from conftest import run_module, run_train, train_losses
 
 QUICK = ["hardware=cpu", "logger=none", "trainer.max_steps=4", "trainer.log_every=1"]
 
@@ -46,3 +46,16 @@ def test_a_run_that_needs_an_import_time_variable_starts_a_new_process(monkeypat
     assert not zygote.eligible({**zygote.os.environ, "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"})
     monkeypatch.setenv("MIXPREC_TEST_ZYGOTE", "0")
     assert not zygote.eligible(dict(zygote.os.environ))
+
+
+@pytest.mark.slow
+def test_a_fork_that_exits_leaves_the_next_its_wandb_media_directory(tmp_path):
+    """wandb's media directory (where a W&B table is written before it is logged) is made when
+    wandb is imported, in the zygote; a child that ends through the interpreter's exit (a
+    `python -m mixprec.diagnose`; train.py ends through os._exit) deleted it under the next
+    child, which logged "W&B table failed (FileNotFoundError ...)" and dropped W&B."""
+    assert run_module("mixprec.diagnose", ["--help"]).returncode == 0
+    proc = run_train(["trainer.max_steps=2", "logger=wandb", f"hydra.run.dir={tmp_path}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "W&B table failed" not in proc.stderr, proc.stderr[-3000:]
+    assert list((tmp_path / "wandb").rglob("*.table.json")), "the run logged no W&B table"

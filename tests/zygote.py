@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,11 +71,15 @@ def eligible(env: dict) -> bool:
 # ---------------------------------------------------------------------------------- the server
 
 
+SOCKET: list = []  # the path the zygote serves on, in a temporary directory of its own
+
+
 def serve(path: str) -> dict:
     """Accept requests on `path` until this process's stdin closes (its pytest has ended).
     Returns only in a forked child: the request it is to run."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
+    SOCKET.append(path)
     listener.listen(16)
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
@@ -83,7 +89,11 @@ def serve(path: str) -> dict:
     while True:
         for key, _ in sel.select(timeout=0.02):
             if key.fileobj is sys.stdin:
-                if not sys.stdin.readline():
+                if not sys.stdin.readline():  # its own files go with it
+                    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+                    media = sys.modules.get("wandb.sdk.data_types._private")
+                    if media is not None:
+                        media.MEDIA_TMP.cleanup()
                     os._exit(0)
                 continue
             conn, _ = listener.accept()
@@ -135,7 +145,8 @@ def become(request: dict) -> None:
     os.environ.update(env)
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     base = [p for p in sys.path[1:] if p not in BASE_PYTHONPATH]
-    sys.path[:] = [str(TRAIN.parent), *extra, *base]
+    first = request["cwd"] if request.get("module") else str(TRAIN.parent)  # -m: the directory
+    sys.path[:] = [first, *extra, *base]
     if env.get("OMP_NUM_THREADS"):
         import torch
 
@@ -144,8 +155,24 @@ def become(request: dict) -> None:
         import faulthandler
 
         faulthandler.enable()
-    sys.argv = [str(TRAIN), *request["args"]]
+    _own_wandb_media_dir()
+    sys.argv = [request.get("module") or str(TRAIN), *request["args"]]  # -m: run_module sets [0]
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _own_wandb_media_dir() -> None:
+    """wandb makes one temporary directory for media (tables, images) when it is imported and
+    deletes it when that process exits: the forks shared the zygote's, and the first child to
+    exit deleted it under the others ("W&B table failed (FileNotFoundError: ...wandb-media/..."
+    in a sweep that ran beside it). Each child gets one of its own, deleted at its own exit."""
+    private = sys.modules.get("wandb.sdk.data_types._private")
+    if private is None:
+        return
+    tmp = private.MEDIA_TMP  # one object, imported by name into wandb's media modules
+    tmp._finalizer.detach()  # the zygote's directory stays the zygote's
+    # in the zygote's own directory, which the zygote deletes (train.py ends through os._exit)
+    tmp.name = tempfile.mkdtemp("wandb-media", dir=os.path.dirname(SOCKET[0]))
+    tmp._finalizer = weakref.finalize(tmp, shutil.rmtree, tmp.name, ignore_errors=True)
 
 
 def main() -> None:
@@ -157,7 +184,10 @@ def main() -> None:
     become(request)
     import runpy
 
-    runpy.run_path(str(TRAIN), run_name="__main__")  # its exit is the interpreter's own
+    if request.get("module"):  # python -m mixprec.diagnose ARGS, and the like
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(str(TRAIN), run_name="__main__")  # its exit is the interpreter's own
 
 
 # ---------------------------------------------------------------------------------- the client
@@ -189,13 +219,15 @@ def _connect() -> socket.socket:
 class Launched:
     """train.py ARGS forked from the zygote, for conftest.finish(): what it reads of a Popen."""
 
-    def __init__(self, args: list[str], cwd: Path, env: dict, merge: bool = False) -> None:
-        self.args = [sys.executable, str(TRAIN), *args]
+    def __init__(
+        self, args: list[str], cwd: Path, env: dict, merge: bool = False, module: str = ""
+    ) -> None:
+        self.args = [sys.executable, *(["-m", module] if module else [str(TRAIN)]), *args]
         self.returncode: int | None = None
         out_r, out_w = os.pipe()
         err_r, err_w = (out_r, out_w) if merge else os.pipe()
         sock = _connect()
-        request = {"args": list(map(str, args)), "cwd": str(cwd), "env": env}
+        request = {"args": list(map(str, args)), "cwd": str(cwd), "env": env, "module": module}
         socket.send_fds(sock, [json.dumps(request).encode()], [out_w, err_w])
         for fd in {out_w, err_w}:
             os.close(fd)
