@@ -120,8 +120,7 @@ def start_session(
     mark = uuid.uuid4().hex
     env = threads_as_here({**env, "PYTHONFAULTHANDLER": "1", FAMILY: mark})
     if forked and zygote.eligible(env):
-        module = cmd[2] if cmd[1] == "-m" else ""  # python -m mixprec.X ARGS, or train.py ARGS
-        proc = zygote.Launched(cmd[3:] if module else cmd[2:], cwd, env, merge, module)
+        proc = zygote.Launched(cmd, cwd, env, merge)
         proc.family_mark = mark
         return proc
     proc = subprocess.Popen(

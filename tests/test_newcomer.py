@@ -156,7 +156,7 @@ def test_report_cells_are_escaped_and_several_run_dirs_get_a_report_dir_of_their
 def test_the_diagnose_cli_gives_config_errors_as_train_py_does(args, needle):
     if torch.cuda.is_available() and "fp8" in args[0]:
         pytest.skip("a GPU may run fp8")
-    proc = run_module("mixprec.diagnose", [*args])
+    proc = run_module("mixprec.diagnose", args)
     assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -71,15 +71,11 @@ def eligible(env: dict) -> bool:
 # ---------------------------------------------------------------------------------- the server
 
 
-SOCKET: list = []  # the path the zygote serves on, in a temporary directory of its own
-
-
 def serve(path: str) -> dict:
     """Accept requests on `path` until this process's stdin closes (its pytest has ended).
     Returns only in a forked child: the request it is to run."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
-    SOCKET.append(path)
     listener.listen(16)
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
@@ -127,7 +123,7 @@ def _reap(waiting: dict) -> None:
             conn.close()
 
 
-def become(request: dict) -> None:
+def become(request: dict, home: str) -> None:
     """In the child: take the request's session, output, directory, environment and argv as a
     new `python train.py ARGS` process would have them."""
     os.setsid()
@@ -145,7 +141,8 @@ def become(request: dict) -> None:
     os.environ.update(env)
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     base = [p for p in sys.path[1:] if p not in BASE_PYTHONPATH]
-    first = request["cwd"] if request.get("module") else str(TRAIN.parent)  # -m: the directory
+    module = _module(request["argv"])
+    first = request["cwd"] if module else str(TRAIN.parent)  # -m: the working directory
     sys.path[:] = [first, *extra, *base]
     if env.get("OMP_NUM_THREADS"):
         import torch
@@ -155,12 +152,17 @@ def become(request: dict) -> None:
         import faulthandler
 
         faulthandler.enable()
-    _own_wandb_media_dir()
-    sys.argv = [request.get("module") or str(TRAIN), *request["args"]]  # -m: run_module sets [0]
+    _own_wandb_media_dir(home)
+    sys.argv = [module, *request["argv"][2:]] if module else request["argv"]  # -m: run_module
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _own_wandb_media_dir() -> None:
+def _module(argv: list[str]) -> str:
+    """The module of `python -m MODULE ARGS` (argv: what follows the interpreter), else ""."""
+    return argv[1] if argv[0] == "-m" else ""
+
+
+def _own_wandb_media_dir(home: str) -> None:
     """wandb makes one temporary directory for media (tables, images) when it is imported and
     deletes it when that process exits: the forks shared the zygote's, and the first child to
     exit deleted it under the others ("W&B table failed (FileNotFoundError: ...wandb-media/..."
@@ -171,7 +173,7 @@ def _own_wandb_media_dir() -> None:
     tmp = private.MEDIA_TMP  # one object, imported by name into wandb's media modules
     tmp._finalizer.detach()  # the zygote's directory stays the zygote's
     # in the zygote's own directory, which the zygote deletes (train.py ends through os._exit)
-    tmp.name = tempfile.mkdtemp("wandb-media", dir=os.path.dirname(SOCKET[0]))
+    tmp.name = tempfile.mkdtemp("wandb-media", dir=home)
     tmp._finalizer = weakref.finalize(tmp, shutil.rmtree, tmp.name, ignore_errors=True)
 
 
@@ -181,11 +183,11 @@ def main() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     request = serve(sys.argv[1])
-    become(request)
+    become(request, home=os.path.dirname(sys.argv[1]))
     import runpy
 
-    if request.get("module"):  # python -m mixprec.diagnose ARGS, and the like
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    if _module(request["argv"]):  # python -m mixprec.diagnose ARGS, and the like
+        runpy.run_module(_module(request["argv"]), run_name="__main__", alter_sys=True)
     else:
         runpy.run_path(str(TRAIN), run_name="__main__")  # its exit is the interpreter's own
 
@@ -217,17 +219,18 @@ def _connect() -> socket.socket:
 
 
 class Launched:
-    """train.py ARGS forked from the zygote, for conftest.finish(): what it reads of a Popen."""
+    """`python train.py ARGS` or `python -m MODULE ARGS` (`cmd`) forked from the zygote, for
+    conftest.finish(): what it reads of a Popen."""
 
-    def __init__(
-        self, args: list[str], cwd: Path, env: dict, merge: bool = False, module: str = ""
-    ) -> None:
-        self.args = [sys.executable, *(["-m", module] if module else [str(TRAIN)]), *args]
+    def __init__(self, cmd: list[str], cwd: Path, env: dict, merge: bool = False) -> None:
+        if _module(cmd[1:]) == "" and Path(cmd[1]).resolve() != TRAIN:
+            raise ValueError(f"the zygote runs train.py or python -m MODULE, not {cmd[1]}")
+        self.args = list(map(str, cmd))
         self.returncode: int | None = None
         out_r, out_w = os.pipe()
         err_r, err_w = (out_r, out_w) if merge else os.pipe()
         sock = _connect()
-        request = {"args": list(map(str, args)), "cwd": str(cwd), "env": env, "module": module}
+        request = {"argv": self.args[1:], "cwd": str(cwd), "env": env}
         socket.send_fds(sock, [json.dumps(request).encode()], [out_w, err_w])
         for fd in {out_w, err_w}:
             os.close(fd)
