@@ -4,8 +4,10 @@ import os
 import sys
 
 from mixprec.internals import quick_exit
+from mixprec.precision import fp8_early
 
 quick_exit.install()  # first: its atexit handler runs last, then skips the interpreter teardown
+fp8_early.start(sys.argv[1:])  # precision=fp8_auto: its timing processes import meanwhile
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from torch import nn
 
 from mixprec.core.errors import MixprecError
 from mixprec.precision import base as precision
-from mixprec.precision import fp8_plan, fp8_timing
+from mixprec.precision import fp8_early, fp8_plan, fp8_timing
 from mixprec.precision.fp8_plan import BF16, Gemm, choose
 from mixprec.run import build
 from mixprec.run.config import validate
@@ -195,11 +197,11 @@ class FakeChild:
     started: list = []
     events: list = []
 
-    def __init__(self, device, compiled, threads=None):
-        self.closed, self.share = False, None
+    def __init__(self, proc=None, t0=0.0):
+        self.closed, self.share, self.proc, self.t0 = False, None, proc, t0
         FakeChild.started.append(self)
 
-    def send(self, todo):
+    def send(self, todo, compiled):
         self.share = todo
         FakeChild.events.append(("send", self))
 
@@ -227,7 +229,7 @@ def test_the_children_compile_their_shares_at_once_and_time_them_one_after_anoth
     ]
     assert float8_per_child == [1, 1, 1, 1]  # the compiles dealt first, one each
     FakeChild.started, FakeChild.events = [], []
-    kids = [FakeChild(None, True) for _ in range(8)]  # more children than timings
+    kids = [FakeChild() for _ in range(8)]  # more children than timings
     us = fp8_timing.time_in_child(todo, True, torch.device("cuda"), kids)
     assert us == fake_timer([])(todo)  # each answer in its place
     kinds = [kind for kind, _ in FakeChild.events]
@@ -240,8 +242,9 @@ def test_the_timing_process_starts_early_only_where_the_cache_lacks_this_gpu(mon
     """warm_up (before the data and the model) starts the timing child for fp8_layers=auto on a
     GPU whose timings the cache has none of; convert() uses it and ends it, or ends it unused
     (a resumed plan). A cache with this GPU's timings, fp8_layers=all or the CPU: no child."""
-    cuda = torch.device("cuda")
+    cuda = torch.device("cuda", 0)
     monkeypatch.setattr(fp8_timing, "Child", FakeChild)
+    monkeypatch.setattr(fp8_early, "spawn", lambda device, n, early=False: (device, 0.0))
     monkeypatch.setattr(fp8_timing, "processes", lambda: 2)
     monkeypatch.setattr(fp8_plan, "machine", lambda d: "H200|torch 2.11|torchao 0.18")
     cache = tmp_path / "plan.json"
@@ -274,17 +277,113 @@ def test_the_timing_process_starts_early_only_where_the_cache_lacks_this_gpu(mon
 def test_a_timing_child_that_is_not_needed_ends_with_its_process_group():
     """close() ends a child still importing or waiting for its share on its stdin, and its
     process group with it; so does the parent dropping it."""
-    child = fp8_timing.Child(torch.device("cpu"), False)
+    child = fp8_timing.Child(*fp8_early.spawn("cpu", 1))
     pid = child.proc.pid
     child.close()
     assert child.proc.returncode is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)
-    other = fp8_timing.Child(torch.device("cpu"), False)
+    other = fp8_timing.Child(*fp8_early.spawn("cpu", 1))
     proc = other.proc
     del other
     gc.collect()
     assert proc.returncode is not None
+
+
+def test_train_py_starts_timing_processes_only_where_a_plan_will_time_layers(monkeypatch, tmp_path):
+    """fp8_early.wanted, on train.py's command line before anything is imported: fp8_auto (or
+    fp8_layers=auto) with no timings in the named plan cache, a GPU node, not a sweep, a help or
+    a config print, and the switch not off."""
+    gpu = tmp_path / "nvidiactl"
+    gpu.touch()
+    monkeypatch.setattr(fp8_early, "GPU_NODES", (gpu,))
+    cached, empty = tmp_path / "plan.json", f"precision.fp8_plan_cache={tmp_path / 'none.json'}"
+    cached.write_text(json.dumps({"H200|x|16x64x256|bf16|x": 1.0}))
+
+    def wanted(*argv, **environ):
+        return fp8_early.wanted(list(argv), environ)
+
+    assert wanted("precision=fp8_auto", empty) and wanted("precision.fp8_layers=auto", empty)
+    assert wanted("+precision.fp8_layers=auto", empty, "model=vit_base")
+    assert wanted("precision=fp8_auto", "precision.fp8_plan_cache=null")  # nothing kept
+    assert not wanted("precision=fp8_auto", f"precision.fp8_plan_cache={cached}")  # cached
+    assert not wanted("precision=fp8", empty) and not wanted("precision=bf16", empty)
+    assert not wanted("-m", "precision=fp8_auto", empty)  # a sweep: each job plans its own
+    assert not wanted("precision=fp8_auto", empty, "--cfg", "job")
+    assert not wanted("precision=fp8_auto", empty, MIXPREC_FP8_EARLY="0")
+    assert not wanted("precision=fp8_auto", empty, CUDA_VISIBLE_DEVICES="")
+    gpu.unlink()
+    assert not wanted("precision=fp8_auto", empty)  # no GPU driver here
+
+
+def test_the_plan_claims_the_early_processes_of_its_gpu_and_the_builder_ends_the_rest(
+    monkeypatch, tmp_path, cfg_factory
+):
+    """Started by train.py (fp8_early.start), the timing processes are the ones the plan's
+    warm_up uses, with their start time; a dead one (no such GPU) or one for another GPU is
+    ended and new ones start; a run that needs none (another precision) ends them at build."""
+    from mixprec.run import session
+
+    gpu = tmp_path / "nvidiactl"
+    gpu.touch()
+    spawned: list = []
+    ended: list = []
+
+    class Proc:
+        def __init__(self, device):
+            self.device, self.code = device, None
+
+        def poll(self):
+            return self.code
+
+    def spawn(device, n, early=False):
+        spawned.append(Proc(device))
+        return spawned[-1], 100.0 + len(spawned)
+
+    monkeypatch.setattr(fp8_early, "GPU_NODES", (gpu,))
+    monkeypatch.setattr(fp8_early, "spawn", spawn)
+    monkeypatch.setattr(fp8_early, "end", ended.append)
+    monkeypatch.setattr(fp8_early, "processes", lambda: 2)
+    monkeypatch.setattr(fp8_early, "_early", [])  # none left to the process's end
+    monkeypatch.setattr(fp8_timing, "Child", FakeChild)
+    monkeypatch.setattr(fp8_plan, "machine", lambda d: "H200|torch 2.11|torchao 0.18")
+    argv = ["precision=fp8_auto", "precision.fp8_plan_cache=null"]
+    fp8_early.start(argv)
+    assert [p.device for p in spawned] == ["cuda:0", "cuda:0"]
+    prec = auto_plugin()
+    prec.warm_up(torch.device("cuda", 0), True)
+    assert [c.proc for c in prec.children] == spawned and prec.children_t0 == 101.0
+    assert len(spawned) == 2 and not ended
+    fp8_early.start(argv)  # 3, 4: one found no GPU and ended
+    spawned[2].code = 0
+    prec = auto_plugin()
+    prec.warm_up(torch.device("cuda", 0), True)
+    assert [c.proc for c in prec.children] == [spawned[3]] and ended == [spawned[2]]
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    fp8_early.start(argv)  # 5, 6 for GPU 1; the plan is on GPU 0: ended, 7 and 8 started
+    prec = auto_plugin()
+    prec.warm_up(torch.device("cuda", 0), True)
+    assert ended[1:] == spawned[4:6] and [c.proc for c in prec.children] == spawned[6:]
+    assert [p.device for p in spawned[4:]] == ["cuda:1", "cuda:1", "cuda:0", "cuda:0"]
+    monkeypatch.delenv("LOCAL_RANK")
+    spawned.clear(), ended.clear()
+    fp8_early.start(argv)  # then the run's config is another precision: the build ends them
+    session.run(cfg_factory("precision=bf16", "trainer.max_steps=1"))
+    assert ended == spawned and len(spawned) == 2
+
+
+def test_a_timing_process_started_early_on_a_machine_without_that_gpu_ends_quietly():
+    """The command line's word was wrong (no CUDA here): the early child exits 0 and prints
+    nothing, so a CPU run refused for fp8 says only why; warm_up's own children say theirs."""
+    setup = json.dumps({"device": "cuda:0", "t0": 0.0, "early": True})
+    out = subprocess.run(
+        [sys.executable, "-m", "mixprec.precision.fp8_timing", setup],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
 
 
 def auto_plugin(**keys):

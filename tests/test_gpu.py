@@ -4,6 +4,10 @@ on tensor cores). Skipped without CUDA; run on the GPU machine with `make test-g
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,7 @@ from mixprec.core import hardware, process
 from mixprec.core.errors import ConfigError, OutOfMemory
 from mixprec.run import session as run
 
-from conftest import compose_cfg, group
+from conftest import ROOT, compose_cfg, group
 
 pytestmark = pytest.mark.gpu
 GPU_SMALL = [
@@ -533,6 +537,35 @@ def test_fp8_auto_plans_on_the_gpu_caches_its_timings_and_a_resume_keeps_the_pla
     assert resumed["steps"] == 30
     assert json.loads((tmp_path / "c" / "precision_plan.json").read_text()) == plan
     assert not (tmp_path / "empty.json").exists()  # nothing was timed
+
+
+def test_train_py_starts_the_plans_timing_processes_on_its_first_lines(tmp_path):
+    """precision=fp8_auto with an empty plan cache, train.py as users start it: its timing
+    processes start on train.py's first lines (fp8_early), so they started seconds longer
+    before the plan than with MIXPREC_FP8_EARLY=0 (started at warm_up, after the imports and
+    the config), and both runs complete."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no float8 tensor cores on this GPU")
+    before = {}
+    for early in ("1", "0"):
+        d = tmp_path / early
+        env = {**os.environ, "MIXPREC_FP8_EARLY": early, "WANDB_MODE": "offline"}
+        args = [*LM_GPU, "precision=fp8_auto", "trainer.max_steps=3", f"hydra.run.dir={d}"]
+        args.append(f"precision.fp8_plan_cache={tmp_path / f'plan{early}.json'}")
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-3000:]
+        found = re.search(r"its timing processes started ([0-9.]+)s before", out)
+        assert found, out[-3000:]
+        before[early] = float(found.group(1))
+    assert before["1"] > before["0"] + 1.0, before
 
 
 def test_fp8_numerics_are_measured_under_torchaos_casts_on_the_gpu(cfg_factory, tmp_path):

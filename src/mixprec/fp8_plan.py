@@ -13,12 +13,7 @@ USAGE = """usage: python -m mixprec.fp8_plan [OVERRIDES...]   e.g. model=vit_bas
 
 
 def main(argv: list[str] | None = None) -> None:
-    from hydra.errors import HydraException
-
-    from mixprec.core.errors import MixprecError
-    from mixprec.precision import fp8_plan
-    from mixprec.run.build import planned_precision
-    from mixprec.run.config import compose_config, validate
+    from mixprec.precision import fp8_early
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -26,6 +21,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not any(a.startswith("precision=") for a in argv):
         argv.insert(0, "precision=fp8_auto")
+    fp8_early.start([*argv, "precision.fp8_layers=auto"])  # they import while this one does
+
+    from hydra.errors import HydraException
+
+    from mixprec.core.errors import MixprecError
+    from mixprec.precision import fp8_plan
+    from mixprec.run.build import planned_precision
+    from mixprec.run.config import compose_config, validate
+
     try:
         c = validate(compose_config([*argv, "precision.fp8_layers=auto"]))
         prec = planned_precision(c)

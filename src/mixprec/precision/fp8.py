@@ -76,7 +76,7 @@ class Plugin(Precision):
     plan_s: float = 0.0  # seconds the plan took (shapes, timings; 0: resumed or none)
     timed: int = 0  # GEMM timings it measured (0: every one came from the cache)
     children: list = field(default_factory=list)  # the timing processes, started by warm_up
-    children_t0: float | None = None  # when warm_up started them (perf_counter)
+    children_t0: float | None = None  # when they were started (time.time())
 
     def check_device(self, device: torch.device) -> None:
         """A GPU with float8 tensor cores, and torchao installed; else a config error."""
@@ -108,8 +108,8 @@ class Plugin(Precision):
             return
         here = fp8_plan.machine(device) + "|"
         if not any(k.startswith(here) for k in fp8_plan.TimingCache(self.cfg.fp8_plan_cache).data):
-            self.children = fp8_timing.start_children(device, compiled)
-            self.children_t0 = time.perf_counter()
+            self.children = fp8_timing.start_children(device)
+            self.children_t0 = min(c.t0 for c in self.children)
 
     def convert(self, model: nn.Module) -> nn.Module:
         from torchao.float8 import convert_to_float8_training
@@ -170,7 +170,7 @@ class Plugin(Precision):
         # compiled, the layers that read one input share its float8 cast: timed as a group
         groups: list | None = [] if ctx.compiled else None
         gemms = fp8_plan.layer_gemms(model, ctx.example(), self.autocast, names, groups)
-        started = time.perf_counter()
+        started, since = time.perf_counter(), time.time()
         cache = fp8_plan.TimingCache(cfg.fp8_plan_cache)
         known = len(cache.data)
         choices = fp8_plan.measure(
@@ -190,7 +190,7 @@ class Plugin(Precision):
             self.plan_s,
             ""
             if self.children_t0 is None
-            else f" (its timing processes started {started - self.children_t0:.1f}s before)",
+            else f" (its timing processes started {since - self.children_t0:.1f}s before)",
             fp8_plan.table(choices, list(cfg.fp8_candidates)),
         )
         return choices

@@ -5,30 +5,28 @@ autocast, in bf16 or torchao's Float8Linear with a recipe, compiled for its shap
 compiles, captured in a CUDA graph and replayed (gemm_step, Captured).
 
 The timings run in child processes on the same GPU (Child; one per 4 CPU cores, at most 4),
-started before the data and the model are built so that their imports (torch, torchao,
-inductor) overlap them. They overlap little: the training process reaches the plan 0.4-1.9 s
-after starting them, and the imports took 5.4 s on one H200 host and 10-17 s on two others,
-which decides the planning time (8B slice: 16.0 s there, 20.0-26.1 s here; ViT-B 14.0 s and
-18.9 s; 2026-12-03, benchmarks/RESULTS.md). A float8 timing's cost is its compile (5-13 s
-each on the 8B slice's shapes, most of it the compile stack's first use in a process; its GPU
-time is milliseconds), so the children compile and capture their shares at once and then time
-them one after another: no timing shares the GPU. A child compiles nothing before its share
-arrives: a warm-up compile of a small float8 Linear made four children 4-5 s slower on the 8B
-slice (25.3-25.8 s against 20.4-22.2 s, alternated in one call; H200, 2026-12-03). Each timing
-leaves 65-130 MiB allocated that neither torch.compiler.reset(), the graph's reset nor gc frees
-in-process (benchmarks/fp8_plan_leak.py; H200, 2026-12-02), and a cold-cache fp8_auto run
-planned in-process peaked 0.8-1.1 GiB above bf16; in a child, that memory leaves with it.
+started on train.py's first lines (fp8_early.py) or else before the data and the model are
+built, so that their imports (torch, torchao, inductor: 10-17 s on a new H200 host) overlap the
+training process's. Started at the build, they began 0.5-2.1 s before the plan and the plan took
+21.9-23.3 s on the 8B slice (16.4 s on ViT-B); started on train.py's first lines, 13-16 s
+before, and it took 11.3-11.8 s (9.0 s; alternated in one call, H200, 2026-12-03,
+benchmarks/RESULTS.md). A float8 timing's cost is its compile (5-13 s each on the 8B slice's
+shapes, most of it the compile stack's first use in a process; its GPU time is milliseconds), so
+the children compile and capture their shares at once and then time them one after another: no
+timing shares the GPU. A child compiles nothing before its share arrives: a warm-up compile of a
+small float8 Linear made four children 4-5 s slower on the 8B slice (25.3-25.8 s against
+20.4-22.2 s, alternated in one call; H200, 2026-12-03). Each timing leaves 65-130 MiB allocated
+that neither torch.compiler.reset(), the graph's reset nor gc frees in-process
+(benchmarks/fp8_plan_leak.py; H200, 2026-12-02), and a cold-cache fp8_auto run planned
+in-process peaked 0.8-1.1 GiB above bf16; in a child, that memory leaves with it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import logging
 import math
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -40,6 +38,7 @@ import torch
 from torch import nn
 
 from mixprec.core.errors import MixprecError
+from mixprec.precision import fp8_early
 from mixprec.precision.fp8_plan import BF16, Gemm
 
 log = logging.getLogger(__name__)
@@ -142,41 +141,26 @@ def time_gemm(gemms: tuple[Gemm, ...], recipe: str, compiled: bool, device: torc
 
 
 def processes() -> int:
-    """How many timing processes a plan starts: one per 4 CPU cores, at most 4 (the float8
-    timings' cost is compiling them, on the CPU; their GPU time is a few ms each)."""
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
+    """How many timing processes a plan starts (fp8_early.processes)."""
+    return fp8_early.processes()
 
 
 class Child:
-    """A process the timings run in, on the run's GPU. Started before the data and the model
-    are built (Plugin.warm_up), it imports torch, torchao and inductor meanwhile, then waits
-    for its share of the shapes on its stdin. It compiles and captures each, says
-    "ready", and times them when told "go": the children compile at once, and time one after
-    another, so no timing shares the GPU. `close()` ends it, and so does the training
-    process's end (its stdin closes). A process group of its own, so its compile workers end
-    with it."""
+    """A process the timings run in, on the run's GPU (fp8_early.spawn): started with train.py
+    (fp8_early.start) or before the data and the model are built (Plugin.warm_up), it imports
+    torch, torchao and inductor meanwhile, then waits for its share of the shapes on its stdin.
+    It compiles and captures each, says "ready", and times them when told "go": the children
+    compile at once, and time one after another, so no timing shares the GPU. `close()` ends
+    it, and so does the training process's end (its stdin closes)."""
 
-    def __init__(self, device: torch.device, compiled: bool, threads: int | None = None) -> None:
-        if device.type == "cuda" and device.index is None:  # the child's GPU: this process's
-            device = torch.device("cuda", torch.cuda.current_device())
-        setup = json.dumps({"compiled": compiled, "device": str(device), "t0": time.time()})
-        env = dict(os.environ)
-        if threads:  # inductor's compile workers: the children share the cores
-            env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mixprec.precision.fp8_timing", setup],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-            env=env,
-        )
-        self._finalizer = weakref.finalize(self, _end, self.proc)
+    def __init__(self, proc: subprocess.Popen, t0: float) -> None:
+        self.proc, self.t0 = proc, t0  # t0: when it was started (time.time())
+        self._finalizer = weakref.finalize(self, fp8_early.end, self.proc)
 
-    def send(self, todo: list) -> None:
-        """Its share: (shapes, recipe) pairs to compile and capture now."""
+    def send(self, todo: list, compiled: bool) -> None:
+        """Its share: (shapes, recipe) pairs to compile (where the run compiles) and capture."""
         job = [[[[g.m, g.k, g.n, g.bias] for g in shapes], recipe] for shapes, recipe in todo]
-        self._say(json.dumps({"todo": job}))
+        self._say(json.dumps({"todo": job, "compiled": compiled}))
 
     def ready(self) -> None:
         """Wait until its share is compiled and captured."""
@@ -215,21 +199,16 @@ class Child:
         self._finalizer()
 
 
-def _end(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    for stream in (proc.stdin, proc.stdout):
-        with contextlib.suppress(OSError):
-            stream.close()
-
-
-def start_children(device: torch.device, compiled: bool, n: int | None = None) -> list[Child]:
-    """`n` timing processes (processes()), inductor's compile workers shared between them."""
+def start_children(device: torch.device, n: int | None = None) -> list[Child]:
+    """`n` timing processes (processes()) on `device`: the ones train.py started for this GPU
+    (fp8_early), else new ones."""
+    if device.type == "cuda" and device.index is None:  # the children's GPU: this process's
+        device = torch.device("cuda", torch.cuda.current_device())
+    early = fp8_early.claim(device.index) if device.type == "cuda" else []
+    if early:
+        return [Child(proc, t0) for proc, t0 in early]
     n = n or processes()
-    threads = max(1, (os.cpu_count() or 1) // n) if n > 1 else None
-    return [Child(device, compiled, threads) for _ in range(n)]
+    return [Child(*fp8_early.spawn(str(device), n)) for _ in range(n)]
 
 
 def deal(todo: list, n: int) -> list[list[int]]:
@@ -249,12 +228,12 @@ def time_in_child(
     shares at once, then time them one child after another. What the timings leave allocated
     (65-130 MiB a timing that neither compiler.reset(), the CUDA graph's reset nor gc freed in
     the training process, measured on an H200) leaves with the children."""
-    children = list(children or start_children(device, compiled))
+    children = list(children or start_children(device))
     out: list = [None] * len(todo)
     try:
         shares = [(c, idx) for c, idx in zip(children, deal(todo, len(children))) if idx]
         for child, idx in shares:
-            child.send([todo[i] for i in idx])
+            child.send([todo[i] for i in idx], compiled)
         for child, _ in shares:
             child.ready()
         for child, idx in shares:
@@ -267,23 +246,28 @@ def time_in_child(
 
 
 def _child() -> None:
-    """`python -m mixprec.precision.fp8_timing '{compiled, device}'` < {todo}, go: compile and
-    capture each (shapes, recipe) of the todo, print "ready", and on "go" time them
-    and print {"us": [...]} (Child's other end)."""
+    """`python -m mixprec.precision.fp8_timing '{device, t0, early}'` < {todo, compiled}, go:
+    compile (where the run compiles) and capture each (shapes, recipe) of the todo, print
+    "ready", and on "go" time them and print {"us": [...]} (Child's other end)."""
     setup = json.loads(sys.argv[1])
-    device, compiled = torch.device(setup["device"]), setup["compiled"]
+    device = torch.device(setup["device"])
+    if setup.get("early") and not (
+        torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
+    ):
+        return  # started on the command line's word, but there is no such GPU: warm_up decides
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # imported while the training process builds its data and model
+    # imported while the training process imports, builds its data and model: the compile
+    # stack too, before the share says whether the run compiles (most fp8 runs do)
     importlib.import_module("torchao.float8")
-    if compiled:
-        importlib.import_module("torch._inductor.compile_fx")
+    importlib.import_module("torch._inductor.compile_fx")
     since = lambda: time.time() - setup["t0"]  # noqa: E731 (seconds since it was started)
     imported = since()
     line = sys.stdin.readline()
     if not line:  # not needed after all (every timing cached; a resumed plan)
         return
-    todo = json.loads(line)["todo"]
+    job = json.loads(line)
+    todo, compiled = job["todo"], job["compiled"]
     print(  # which came last, the share or the imports: the start's cost to the plan
         f"fp8 plan: a timing process imported in {imported:.1f}s, its share came at {since():.1f}s",
         file=sys.stderr,

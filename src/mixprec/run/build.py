@@ -25,7 +25,7 @@ from mixprec.optim import optimizers as optim
 from mixprec.optim import states as optim_states
 from mixprec.parallel import distributed, sharding, strategy
 from mixprec.precision import base as precision
-from mixprec.precision import fp32_layers
+from mixprec.precision import fp8_early, fp32_layers
 from mixprec.run import config
 from mixprec.run import layout as layouts
 from mixprec.run.config import TrainConfig
@@ -101,7 +101,8 @@ def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> 
     dp_rank, dp_size = strategy.of(c.parallel).data_parallel(dd)  # who sees which samples
     layout = layouts.resolve(c, hw, device, dp_size, prec, lambda: probes(c, device))
     if saved_plan(c) is None:
-        prec.warm_up(device, c.model.compile)  # fp8_auto: its timing process, meanwhile
+        prec.warm_up(device, c.model.compile)  # fp8_auto: its timing processes, meanwhile
+    fp8_early.release()  # train.py's early timing processes, if warm_up did not claim them
     if c.model.compile:
         compiling.load_cache(c.model.compile_cache)  # before anything compiles
     load = lambda batch: datasets.build(  # noqa: E731
