@@ -245,7 +245,7 @@ def test_the_timing_process_starts_early_only_where_the_cache_lacks_this_gpu(mon
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(fp8_timing, "Child", FakeChild)
     monkeypatch.setattr(fp8_early, "spawn", lambda device, n, early=False: (device, 0.0))
-    monkeypatch.setattr(fp8_timing, "processes", lambda: 2)
+    monkeypatch.setattr(fp8_early, "processes", lambda: 2)
     monkeypatch.setattr(fp8_plan, "machine", lambda d: "H200|torch 2.11|torchao 0.18")
     cache = tmp_path / "plan.json"
     FakeChild.started = []

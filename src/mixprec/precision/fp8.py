@@ -20,7 +20,7 @@ from torch import nn
 from mixprec.core.errors import ConfigError, check, one_of
 from mixprec.models.flops import blended_peak
 from mixprec.models.parts import head_of
-from mixprec.precision import fp8_plan, fp8_timing
+from mixprec.precision import fp8_early, fp8_plan, fp8_timing
 from mixprec.precision.base import Precision, PrecisionConfig
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class Config(PrecisionConfig):
     fp8_layers: str = "all"  # all: every eligible layer in fp8_recipe; auto: a measured plan
     fp8_candidates: List[str] = field(default_factory=lambda: ["tensorwise"])
     fp8_margin: float = 0.05  # auto: a layer goes float8 only if that beats bf16 by this much
-    fp8_plan_cache: Optional[str] = "~/.cache/mixprec/fp8_plan.json"  # timings; null: none
+    fp8_plan_cache: Optional[str] = fp8_early.DEFAULT_CACHE  # timings; null: none
 
     def __post_init__(self) -> None:
         super().__post_init__()

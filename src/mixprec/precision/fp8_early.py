@@ -32,7 +32,7 @@ from pathlib import Path
 SWITCH = "MIXPREC_FP8_EARLY"
 AUTO = ("precision=fp8_auto", "precision.fp8_layers=auto")
 NOT_A_RUN = ("-m", "--multirun", "-h", "--help", "--hydra-help", "-c", "--cfg", "--info")
-DEFAULT_CACHE = "~/.cache/mixprec/fp8_plan.json"  # precision/fp8.py's default fp8_plan_cache
+DEFAULT_CACHE = "~/.cache/mixprec/fp8_plan.json"  # fp8_plan_cache's default (fp8.Config)
 GPU_NODES = (Path("/dev/nvidiactl"), Path("/proc/driver/nvidia/version"))  # a driver: a GPU
 _early: list[tuple[subprocess.Popen, float, int]] = []  # (process, started at, GPU index)
 

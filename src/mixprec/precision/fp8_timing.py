@@ -140,11 +140,6 @@ def time_gemm(gemms: tuple[Gemm, ...], recipe: str, compiled: bool, device: torc
     return Captured.of(gemm_step(gemms, recipe, compiled, device)).us()
 
 
-def processes() -> int:
-    """How many timing processes a plan starts (fp8_early.processes)."""
-    return fp8_early.processes()
-
-
 class Child:
     """A process the timings run in, on the run's GPU (fp8_early.spawn): started with train.py
     (fp8_early.start) or before the data and the model are built (Plugin.warm_up), it imports
@@ -200,14 +195,14 @@ class Child:
 
 
 def start_children(device: torch.device, n: int | None = None) -> list[Child]:
-    """`n` timing processes (processes()) on `device`: the ones train.py started for this GPU
-    (fp8_early), else new ones."""
+    """`n` timing processes (fp8_early.processes()) on `device`: the ones train.py started for
+    this GPU (fp8_early), else new ones."""
     if device.type == "cuda" and device.index is None:  # the children's GPU: this process's
         device = torch.device("cuda", torch.cuda.current_device())
     early = fp8_early.claim(device.index) if device.type == "cuda" else []
     if early:
         return [Child(proc, t0) for proc, t0 in early]
-    n = n or processes()
+    n = n or fp8_early.processes()
     return [Child(*fp8_early.spawn(str(device), n)) for _ in range(n)]
 
 
