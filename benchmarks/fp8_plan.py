@@ -9,6 +9,10 @@ now warm cache.
     python benchmarks/fp8_plan.py --out outputs/bench/fp8_plan                 # everything
     python benchmarks/fp8_plan.py --models vit_base,convnext_tiny --out DIR     # a part
     python benchmarks/fp8_plan.py --models llama_8b_slice --repeat 3 --out DIR   # alternated
+    python benchmarks/fp8_plan.py --models convnext_tiny --uniform none --repeat 4 --steps 220 --warmup 40
+
+--steps and --warmup set trainer.max_steps and trainer.perf_warmup_steps (longer timing windows);
+each row also lists the rate of every logged window after the warm-up ("windows").
 
 With --repeat N the precisions run N rounds in turn (bf16, fp8, fp8_auto, bf16, ...): the
 later fp8_auto runs start on the warm cache, and each rate is set against its own round's bf16.
@@ -40,10 +44,13 @@ def overrides(model: str) -> list[str]:
     return ["experiment=lm_table", "hydra.mode=RUN", f"model={model}"]
 
 
-def train(model: str, precision: str, cache: Path, cold: bool = False) -> dict:
-    """One train.py run; `cold`: inductor's and Triton's caches empty (a new machine)."""
+def train(model: str, precision: str, cache: Path, cold: bool = False, steps: tuple = ()) -> dict:
+    """One train.py run; `cold`: inductor's and Triton's caches empty (a new machine); `steps`:
+    (max_steps, perf_warmup_steps), or () for the experiment's own."""
     with tempfile.TemporaryDirectory() as d:
         args = [*overrides(model), f"precision={precision}", "logger=none", f"hydra.run.dir={d}"]
+        if steps:
+            args += [f"trainer.max_steps={steps[0]}", f"trainer.perf_warmup_steps={steps[1]}"]
         if precision == "fp8_auto":
             args.append(f"precision.fp8_plan_cache={cache}")
         env = {**os.environ, "WANDB_MODE": "offline"}
@@ -66,6 +73,11 @@ def train(model: str, precision: str, cache: Path, cold: bool = False) -> dict:
             if precision == "fp8_auto"
             else None
         )
+        windows = [
+            round(r.get("perf/tokens_per_s") or r["perf/samples_per_s"])
+            for line in (Path(d) / "metrics.jsonl").read_text().splitlines()
+            if (r := json.loads(line)).get("perf/samples_per_s")
+        ]
     rate = s.get("tokens_per_s") or s["samples_per_s"]
     timings = [x for x in proc.stderr.splitlines() if x.startswith("fp8 plan:")]
     out = {
@@ -79,6 +91,7 @@ def train(model: str, precision: str, cache: Path, cold: bool = False) -> dict:
         "fp8_layers": (s.get("precision_plan") or {}).get("float8_layers"),
         "planning_s": (s.get("precision_plan") or {}).get("planning_s"),
         "timed_gemms": (s.get("precision_plan") or {}).get("timed_gemms"),
+        "windows": windows,  # each logged window's rate after the warm-up
         "timings": timings,  # the timing child's lines: each (shape, recipe)'s µs and seconds
     }
     if plan:
@@ -120,7 +133,10 @@ def main() -> None:
         action="store_true",
         help="the first fp8_auto run with inductor's and Triton's caches empty (a new machine)",
     )
+    ap.add_argument("--steps", type=int, help="trainer.max_steps (default: the experiment's)")
+    ap.add_argument("--warmup", type=int, default=20, help="trainer.perf_warmup_steps with --steps")
     a = ap.parse_args()
+    steps = (a.steps, a.warmup) if a.steps else ()
     a.out.mkdir(parents=True, exist_ok=True)
     cache = a.out / "fp8_plan_cache.json"
     rows = []
@@ -132,7 +148,7 @@ def main() -> None:
             "fp8_auto",
         ]
         runs = [
-            train(model, p, cache, cold=a.cold and i == 0 and p == "fp8_auto")
+            train(model, p, cache, cold=a.cold and i == 0 and p == "fp8_auto", steps=steps)
             for i in range(a.repeat)
             for p in precisions
         ]

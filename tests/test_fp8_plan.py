@@ -426,6 +426,36 @@ def test_the_plan_converts_each_layer_to_its_recipe_and_a_resume_keeps_it(monkey
     )
 
 
+def test_a_plan_that_keeps_every_layer_in_bf16_trains_bf16s_model(monkeypatch):
+    """Where float8 pays on no layer (ConvNeXt-T, the ViTs at batch 128), fp8_auto must cost
+    nothing: the same module objects and types, no hook left behind by the shape forward, the
+    same weights and the same outputs and gradients as the model it was given."""
+    bf16_wins = lambda todo: [  # noqa: E731
+        sum(100.0 if recipe == BF16 else 150.0 for _ in shapes) for shapes, recipe in todo
+    ]
+    monkeypatch.setattr(fp8_timing, "time_in_child", lambda todo, *a: bf16_wins(todo))
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(4, 64)
+    before = {n: (type(m), m) for n, m in net.named_modules()}
+    weights = {k: v.clone() for k, v in net.state_dict().items()}
+    reference = Net()
+    reference.load_state_dict(weights)
+    prec = auto_plugin()
+    prec.prepare(precision.Context(example=lambda: x))
+    model = prec.convert(net)
+    assert model is net and prec.converted == [] and prec.owned() == {}
+    assert set(prec.plan()) == {"wide1", "wide2", "narrow"}  # measured, and bf16 chosen
+    assert {n: (type(m), m) for n, m in model.named_modules()} == before
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    out, ref = model(x), reference(x)
+    out.sum().backward(), ref.sum().backward()
+    assert torch.equal(out, ref)
+    assert all(
+        torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters())
+    )
+
+
 def test_without_a_micro_batch_every_eligible_layer_is_float8(monkeypatch):
     """batch=auto's probes and the dtype audit give no micro-batch: nothing is timed, and every
     eligible layer takes fp8_recipe (the upper bound of float8's share)."""
