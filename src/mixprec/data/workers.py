@@ -114,9 +114,15 @@ def signals_held():
 
 
 class Seeded(Dataset):
-    """Indexed by (epoch, index): the wrapped dataset's sample, with torch's and Python's RNG set
-    from (seed, epoch, index) for its transforms. In the training process itself (no workers)
-    the RNG is put back afterwards: the run's own RNG must not move."""
+    """Indexed by (epoch, index): the wrapped dataset's sample, with torch's CPU RNG and Python's
+    set from (seed, epoch, index) for its transforms. In the training process itself (no
+    workers) they are put back afterwards: the run's own RNG must not move.
+
+    Only the CPU generator, which the transforms draw from: `torch.manual_seed` seeds the CUDA,
+    XPU and MTIA generators too, and where CUDA is not initialised (every loader worker, every
+    CPU run) each of those records the caller's stack for a lazy seeding, 2.4 ms a sample on
+    this 2-core CPU, more than the 8x8 digits' whole load; in a GPU run without workers it
+    reseeded the run's CUDA generator per sample, which nothing put back."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset, self.seed = dataset, seed
@@ -128,11 +134,11 @@ class Seeded(Dataset):
         epoch, index = key
         own = ((self.seed * 1_000_003 + epoch) * 10_000_019 + index) % 2**63
         if get_worker_info() is not None:  # a worker's RNG serves nothing else: just seed it
-            torch.manual_seed(own)
+            torch.default_generator.manual_seed(own)
             random.seed(own)
             return self.dataset[index]
         torch_state, py_state = torch.get_rng_state(), random.getstate()
-        torch.manual_seed(own)
+        torch.default_generator.manual_seed(own)
         random.seed(own)
         try:
             return self.dataset[index]

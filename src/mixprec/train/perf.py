@@ -30,16 +30,17 @@ def process_age_s() -> float:
         return time.monotonic() - _IMPORTED
 
 
-def job_started() -> None:
-    """A run begins (run.run). The first run of a process counts from the process's start (its
-    imports are part of the wait); a later job of an in-process sweep from its own start, and
-    compile and tuning seconds from zero."""
+def job_started() -> bool:
+    """A run begins (run.run); True if it is the process's first. The first run of a process
+    counts from the process's start (its imports are part of the wait); a later job of an
+    in-process sweep from its own start, and compile and tuning seconds from zero."""
     first = not _JOB
     _JOB.update(
         t=time.monotonic() - (process_age_s() if first else 0.0),
         compile=_compile_total() or 0.0,
         tune=_tune_total() or 0.0,
     )
+    return first
 
 
 def since_job_start() -> float:
