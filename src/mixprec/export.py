@@ -10,17 +10,19 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
-from mixprec.checkpoint import dcp as checkpoint_dcp
-from mixprec.checkpoint import store as checkpoint
 from mixprec.core import files
 from mixprec.core.errors import MixprecError
 
 
 def export(source: str, dtype: str | None = None, out: Path | None = None) -> tuple[Path, dict]:
     """Writes the weights of the checkpoint `source` (a run dir or a .pt) and returns (the file,
-    the model config that built them)."""
+    the model config that built them). torch is imported here, not above: `--help` and a bad
+    argument are answered without its seconds of imports."""
+    import torch
+
+    from mixprec.checkpoint import dcp as checkpoint_dcp
+    from mixprec.checkpoint import store as checkpoint
+
     path = checkpoint.find(source, Path(source))
     blob = checkpoint.load(path)
     model = checkpoint_dcp.full_model(path) if blob["model"] == "dcp" else blob["model"]
