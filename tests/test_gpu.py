@@ -694,21 +694,14 @@ def test_reading_samples_in_the_training_process_moves_no_generator_of_the_run()
     Seeded): each is seeded from (seed, epoch, index) and the run's generators are put back.
     torch.manual_seed there reseeded the run's CUDA generator too, per sample, and nothing put
     it back (dropout on the GPU drew from the last sample's seed)."""
-    from torch.utils.data import Dataset
+    from test_signals import Noisy  # a sample drawn from torch's global RNG, as a crop is
 
     from mixprec.data.workers import Seeded
-
-    class Noisy(Dataset):  # a transform that draws from torch's global RNG
-        def __len__(self):
-            return 8
-
-        def __getitem__(self, i):
-            return torch.rand(3)
 
     torch.cuda.init()
     torch.manual_seed(5)
     cuda, cpu = torch.cuda.get_rng_state(), torch.get_rng_state()
     data = Seeded(Noisy(), seed=1)
-    first = [data[(0, i)] for i in range(8)]
+    first = [data[(0, i)][0] for i in range(8)]
     assert torch.equal(torch.cuda.get_rng_state(), cuda) and torch.equal(torch.get_rng_state(), cpu)
-    assert all(torch.equal(a, data[(0, i)]) for i, a in enumerate(first))  # (seed, epoch, index)
+    assert all(torch.equal(a, data[(0, i)][0]) for i, a in enumerate(first))  # (seed, epoch, index)
