@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import uuid
+import warnings
 from pathlib import Path
 
 import pytest
@@ -123,9 +124,12 @@ def start_session(
     mark = uuid.uuid4().hex
     env = threads_as_here({**env, "PYTHONFAULTHANDLER": "1", FAMILY: mark})
     if forked and zygote.eligible(env):
-        proc = zygote.Launched(cmd, cwd, env, merge)
-        proc.family_mark = mark
-        return proc
+        try:
+            proc = zygote.Launched(cmd, cwd, env, merge)
+            proc.family_mark = mark
+            return proc
+        except zygote.Refused as e:  # a new process, as below: slower, so it is said
+            warnings.warn(str(e), stacklevel=2)
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,
@@ -220,9 +224,11 @@ def run_torchrun(
     args: list[str], env_extra: dict | None = None, timeout: int = 600
 ) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=2 ARGS` (a script and its arguments), one CPU
-    thread per process, W&B offline."""
+    thread per process, W&B offline. The agent and its ranks are forked from tests/zygote.py
+    where the environment allows (the ranks through torchrun's PYTHON_EXEC, zygote.relay)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env_extra or {})}
-    return run_session([*TORCHRUN, *args], ROOT, env, timeout)
+    env.update(zygote.relay_env())
+    return run_session([*TORCHRUN, *args], ROOT, env, timeout, forked=True)
 
 
 def train_losses(run_dir: Path) -> list[float]:

@@ -1,7 +1,8 @@
 """Run by tests/test_sharding.py under torchrun (2 processes, gloo): an fp16 step whose
 gradients overflow in rank 1's shard only (set inf there after the reduce-scatter, as an
-overflow in the elements that rank holds), through mixprec's own shard() and train_step. Prints, per
-rank, whether the step ran and the loss scale after it, as JSON in $FSDP_OVERFLOW_OUT."""
+overflow in the elements that rank holds), through mixprec's own shard() and train_step. Prints,
+per rank, whether the step ran and the loss scale after it, as JSON in
+$MIXPREC_TEST_FSDP_OVERFLOW_OUT."""
 
 from __future__ import annotations
 
@@ -39,6 +40,6 @@ def overflow_in_rank_1s_shard(param) -> None:  # after the reduce-scatter: one s
 model[2].weight.register_post_accumulate_grad_hook(overflow_in_rank_1s_shard)
 x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
 ran = [loop.train_step(learner, [(x, y)]).stepped for _ in range(2)]
-out = Path(os.environ["FSDP_OVERFLOW_OUT"]) / f"rank{rank}.json"
+out = Path(os.environ["MIXPREC_TEST_FSDP_OVERFLOW_OUT"]) / f"rank{rank}.json"
 out.write_text(json.dumps({"rank": rank, "ran": ran, "scale": prec.loss_scale()}))
 dist.destroy_process_group()

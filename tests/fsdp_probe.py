@@ -2,7 +2,7 @@
 parallel=fsdp, made by mixprec's own build.probes on both ranks at once. Then rank 1 alone
 trains two probe steps while rank 0 waits in a barrier, as it would after running out of
 memory: the barrier ends only if the probe ran no collective over both ranks. Writes, per rank,
-what the probe's model is and holds as JSON in $FSDP_PROBE_OUT."""
+what the probe's model is and holds as JSON in $MIXPREC_TEST_FSDP_PROBE_OUT."""
 
 from __future__ import annotations
 
@@ -44,6 +44,6 @@ world = distributed.Dist(rank, rank, 2, grouped=True)  # training's own build: a
 cpu = torch.device("cpu")
 trained, _ = build.assemble(c, build.new_precision(c, cpu), spec, cpu, world, 1e-3)
 row["world_holds_all"] = all(sharding.local(w).numel() == w.numel() for w in trained.parameters())
-out = Path(os.environ["FSDP_PROBE_OUT"]) / f"rank{rank}.json"
+out = Path(os.environ["MIXPREC_TEST_FSDP_PROBE_OUT"]) / f"rank{rank}.json"
 out.write_text(json.dumps(row))
 dist.destroy_process_group()

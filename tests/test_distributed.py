@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zygote
 from torch import nn
 
 from mixprec.optim import optimizers as optim
@@ -58,6 +59,7 @@ def one_process(tmp_path_factory) -> Path:
 def torchrun(launcher: list[str], run_dir: Path) -> subprocess.Popen:
     """One torchrun agent training batch 16 x accum 2 per process into run_dir."""
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    env.update(zygote.relay_env())  # the agent and its ranks forked where they can be
     return start_session(
         [
             sys.executable,
@@ -73,6 +75,7 @@ def torchrun(launcher: list[str], run_dir: Path) -> subprocess.Popen:
         ROOT,
         env,
         merge=True,
+        forked=True,
     )
 
 
@@ -208,7 +211,9 @@ def test_the_two_gpu_runs_of_issue_44_run_end_to_end_on_gloo(tmp_path):
     """benchmarks/two_gpu.sh --dry-run: every command the 2-GPU machine will run (DDP and FSDP2,
     FSDP2's two reduce dtypes, a model sharded with DCP checkpoints and resumed), on the CPU over
     gloo with two processes, each completing in a world of 2."""
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    # its python processes forked from the zygote where they can be (zygote.relay)
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, **zygote.relay_env()}
+    env["PYTHON"] = env.get("PYTHON_EXEC", sys.executable)
     p = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "two_gpu.sh"), "--dry-run"],
         env=env,

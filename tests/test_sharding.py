@@ -182,7 +182,10 @@ def test_fp16_under_sharding_skips_on_every_rank_when_one_shard_overflows(tmp_pa
     """Each rank holds only its shard of the gradients: an overflow in rank 1's shard alone must
     make both ranks skip the step and back off the same scale. torch's own GradScaler does it
     for FSDP2's DTensor gradients (its inf check on a DTensor is reduced over the ranks)."""
-    env = {"PYTHONPATH": f"{ROOT / 'tests'}:{ROOT / 'src'}", "FSDP_OVERFLOW_OUT": str(tmp_path)}
+    env = {
+        "PYTHONPATH": f"{ROOT / 'tests'}:{ROOT / 'src'}",
+        "MIXPREC_TEST_FSDP_OVERFLOW_OUT": str(tmp_path),
+    }
     p = run_torchrun([str(ROOT / "tests" / "fsdp_overflow.py")], env, timeout=300)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     rows = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
@@ -312,7 +315,10 @@ def test_batch_auto_probes_fsdp2_over_each_rank_alone_and_waits_on_no_other_rank
     of the state, where training gives each rank a share: an upper bound on its memory), and a
     probe on one rank runs while the other waits in a barrier (as after running out of memory):
     no collective of the probe spans both ranks, or the run would hang here."""
-    env = {"PYTHONPATH": f"{ROOT / 'tests'}:{ROOT / 'src'}", "FSDP_PROBE_OUT": str(tmp_path)}
+    env = {
+        "PYTHONPATH": f"{ROOT / 'tests'}:{ROOT / 'src'}",
+        "MIXPREC_TEST_FSDP_PROBE_OUT": str(tmp_path),
+    }
     p = run_torchrun([str(ROOT / "tests" / "fsdp_probe.py")], env, timeout=300)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     rows = {r["rank"]: r for r in (json.loads(f.read_text()) for f in tmp_path.glob("rank*.json"))}

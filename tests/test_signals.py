@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zygote
 from test_data import make_folder
 from test_reliability import assert_identical, weights
 from torch.utils.data import Dataset
@@ -121,15 +122,23 @@ def reference(images, tmp_path_factory) -> Path:
 
 
 def start(
-    args: list[str], prefix: list[str] = (), python: list[str] = (sys.executable,), threads=None
+    args: list[str],
+    prefix: list[str] = (),
+    python: list[str] = (sys.executable,),
+    threads=None,
+    forked: bool = False,
 ) -> subprocess.Popen:
     """train.py as the leader of a process group of its own (as a terminal or timeout starts
     it), so that the group can be signalled without signalling pytest. (A run compared bit for
-    bit with another must use the same number of threads.)"""
+    bit with another must use the same number of threads.) Real processes, except `forked`
+    (a run no signal is sent to: torchrun's agent and ranks from the zygote, zygote.relay)."""
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    return start_session([*prefix, *python, str(ROOT / "train.py"), *args], ROOT, env, merge=True)
+    if forked:
+        env.update(zygote.relay_env())
+    cmd = [*prefix, *python, str(ROOT / "train.py"), *args]
+    return start_session(cmd, ROOT, env, merge=True, forked=forked)
 
 
 def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int) -> None:
@@ -205,7 +214,8 @@ def test_torchrun_with_workers_signalled_as_a_group_stops_every_rank_once(tmp_pa
     weights of an uninterrupted torchrun run, bit for bit. (torchrun itself then exits 1 with
     its SignalException: torch's agent, not the run, sets that code.)"""
     run_dir, ref = tmp_path / "run", tmp_path / "ref"
-    done = start([*base(images), f"hydra.run.dir={ref}"], python=TORCHRUN, threads=1)
+    # the uninterrupted run and the resume are signalled by no one: forked (zygote.relay)
+    done = start([*base(images), f"hydra.run.dir={ref}"], python=TORCHRUN, threads=1, forked=True)
     out = finish(done, 300)[0]
     assert done.returncode == 0, out[-3000:]
     proc = start([*base(images), f"hydra.run.dir={run_dir}"], python=TORCHRUN, threads=1)
@@ -218,9 +228,8 @@ def test_torchrun_with_workers_signalled_as_a_group_stops_every_rank_once(tmp_pa
     ckpt = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert (summary["status"], summary["exit_code"]) == ("preempted", 143)
     assert summary["steps"] == ckpt["state"]["step"] < 30
-    again = start(
-        [*base(images), "resume=auto", f"hydra.run.dir={run_dir}"], python=TORCHRUN, threads=1
-    )
+    resume = [*base(images), "resume=auto", f"hydra.run.dir={run_dir}"]
+    again = start(resume, python=TORCHRUN, threads=1, forked=True)
     out = finish(again, 300)[0]
     assert again.returncode == 0, out[-3000:]
     assert_identical(weights(run_dir), weights(ref))

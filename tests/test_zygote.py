@@ -1,14 +1,29 @@
-"""The tests' train.py runs start from tests/zygote.py (a fork of a process that has imported
-what train.py imports): it must write what `python train.py` writes."""
+"""The tests' train.py runs and torchrun's processes start from tests/zygote.py (a fork of a
+process that has imported what train.py imports): they must write what `python train.py` and
+torchrun's real processes write."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
+import torch
 import zygote
 
-from conftest import run_module, run_train, train_losses
+from conftest import (
+    LM_CPU,
+    ROOT,
+    last_weights,
+    run_module,
+    run_torchrun,
+    run_train,
+    train_losses,
+)
 
 QUICK = ["hardware=cpu", "logger=none", "trainer.max_steps=4", "trainer.log_every=1"]
 
@@ -59,3 +74,92 @@ def test_a_fork_that_exits_leaves_the_next_its_wandb_media_directory(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "W&B table failed" not in proc.stderr, proc.stderr[-3000:]
     assert list((tmp_path / "wandb").rglob("*.table.json")), "the run logged no W&B table"
+
+
+# ------------------------------------------------- torchrun's processes through tests/zygote_python
+
+PROBE = """import json, os, signal, sys, time
+if sys.argv[1] == "wait":
+    signal.signal(signal.SIGTERM, lambda s, f: (print("got", s, flush=True), sys.exit(7)))
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "rank": os.environ.get("RANK"),
+    "preloaded": "timm" in sys.modules, "pid": os.getpid()}), flush=True)
+if sys.argv[1] == "wait":
+    time.sleep(60)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def relayed(tmp_path, *args: str, **env: str) -> subprocess.Popen:
+    """`python -u probe.py ARGS` as torchrun starts a rank: its PYTHON_EXEC, in a session."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    full = {**os.environ, **zygote.relay_env(), "RANK": "1", **env}
+    return subprocess.Popen(
+        [full["PYTHON_EXEC"], "-u", str(script), *args],
+        cwd=tmp_path,
+        env=full,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def test_a_relayed_rank_is_forked_with_its_argv_directory_environment_and_exit_code(tmp_path):
+    proc = relayed(tmp_path, "3")
+    said = json.loads(proc.stdout.readline())
+    assert proc.wait(60) == 3
+    assert said["preloaded"]  # forked from the zygote: timm was there before the script ran
+    assert said["argv"] == [str(tmp_path / "probe.py"), "3"]
+    assert (said["cwd"], said["rank"]) == (str(tmp_path), "1")
+    assert said["pid"] != proc.pid
+
+
+def test_a_rank_whose_environment_the_zygote_cannot_take_starts_as_a_real_process(tmp_path):
+    proc = relayed(tmp_path, "0", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    said = json.loads(proc.stdout.readline())
+    assert proc.wait(60) == 0
+    assert not said["preloaded"] and said["pid"] == proc.pid  # exec'd: torch's own interpreter
+
+
+def test_a_signal_to_a_relayed_rank_reaches_the_child_and_its_exit_is_the_childs(tmp_path):
+    proc = relayed(tmp_path, "wait")
+    child = json.loads(proc.stdout.readline())["pid"]
+    os.killpg(proc.pid, signal.SIGTERM)  # as torchrun's agent stops a rank
+    assert proc.stdout.readline().strip() == f"got {int(signal.SIGTERM)}"
+    assert proc.wait(60) == 7
+    assert not Path(f"/proc/{child}").exists()
+
+
+def test_a_relayed_rank_killed_takes_its_child_down(tmp_path):
+    proc = relayed(tmp_path, "wait")
+    child = json.loads(proc.stdout.readline())["pid"]
+    os.killpg(proc.pid, signal.SIGKILL)  # nothing can forward a SIGKILL: the zygote sees it
+    assert proc.wait(60) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{child}").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_with_relayed_ranks_trains_what_real_ranks_train(tmp_path, monkeypatch):
+    """The torchrun tests' agent and ranks are forked from the zygote: the same run with real
+    processes logs the same losses and ends with the same weights, bit for bit."""
+    got, forks = {}, {}
+    for how in ("zygote", "process"):
+        monkeypatch.setenv("MIXPREC_TEST_ZYGOTE", "1" if how == "zygote" else "0")
+        d, log = tmp_path / how, tmp_path / f"{how}.forks"
+        args = [str(ROOT / "train.py"), *LM_CPU, "trainer.max_steps=3", f"hydra.run.dir={d}"]
+        p = run_torchrun(args, {zygote.LOG_ENV: str(log)})
+        assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+        got[how] = (train_losses(d), last_weights(d), json.loads((d / "summary.json").read_text()))
+        forks[how] = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    assert [f["argv"][:2] for f in forks["zygote"]][:1] == [["-m", "torch.distributed.run"]]
+    assert sorted(f["rank"] for f in forks["zygote"][1:]) == ["0", "1"]  # the agent's ranks
+    assert {f["argv"][0] for f in forks["zygote"][1:]} == {str(ROOT / "train.py")}
+    assert forks["process"] == []
+    assert got["zygote"][0] == got["process"][0]
+    for k, w in got["process"][1].items():
+        assert torch.equal(got["zygote"][1][k], w), k
+    for key in ("status", "steps", "world_size", "val_loss"):
+        assert got["zygote"][2][key] == got["process"][2][key], key

@@ -21,6 +21,7 @@ through it and a real process write the same things.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import selectors
@@ -36,6 +37,9 @@ import weakref
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# the environment as this module was imported: in pytest, what each zygote is started with; in
+# a zygote, the environment its imports saw
+START_ENV = dict(os.environ)
 TRAIN = ROOT / "train.py"
 # what train.py and a default or LM run import (the rest is imported in the child, as usual)
 PRELOAD = (
@@ -52,20 +56,51 @@ PRELOAD = (
     "mixprec.data.digits",
     "mixprec.data.text",
 )
-# environment keys a child may set that nothing reads while importing PRELOAD
+# environment keys a child may set that nothing reads while importing PRELOAD: ours, and what
+# torchrun gives a rank (read by torch.distributed, NCCL and mixprec when the run starts)
 SAFE_ENV = {"PYTHONPATH", "OMP_NUM_THREADS", "WANDB_MODE", "WANDB_SILENT", "PYTHONFAULTHANDLER"}
-SAFE_PREFIXES = ("MIXPREC_TEST_",)
+SAFE_ENV |= {"PYTEST_CURRENT_TEST"}  # (pytest's, set anew for each test)
+SAFE_ENV |= {"PWD", "OLDPWD", "SHLVL", "_", "COLUMNS", "LINES"}  # a shell's (zygote_python's sh)
+SAFE_ENV |= {"PYTHON_EXEC", "PYTHONUNBUFFERED", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+SAFE_ENV |= {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "MASTER_ADDR"}
+SAFE_ENV |= {"WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_PORT"}
+SAFE_ENV |= {"TORCH_SYMM_MEM_DISABLE_MULTICAST", "OUT", "PYTHON"}  # (and two_gpu.sh's own)
+# (and "_TORCHINDUCTOR_": what inductor sets in a process that compiled, e.g. the pytest process
+# after an in-process compiled run, for its own C++ wrapper, which it sets again before use)
+SAFE_PREFIXES = ("MIXPREC_TEST_", "TORCHELASTIC_", "NCCL_", "_TORCHINDUCTOR_")
+# the relay (tests/zygote_python): the interpreter it stands in for, and the zygote's socket
+PYTHON_ENV, SOCKET_ENV = "MIXPREC_TEST_PYTHON", "MIXPREC_TEST_ZYGOTE_SOCKET"
+LOG_ENV = "MIXPREC_TEST_ZYGOTE_LOG"  # a file each child names itself in
+RELAY = Path(__file__).resolve().parent / "zygote_python"
 # the zygote's own PYTHONPATH entries: a child's come from its request's environment instead
 BASE_PYTHONPATH = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
 
 
 def eligible(env: dict) -> bool:
     """Whether a run with environment `env` can start from the zygote: every key it adds to or
-    changes from this process's environment is one that is read after the imports."""
+    changes from this process's environment is one that is read after the imports. (The
+    zygote checks again against its own, and refuses a run that differs where it matters.)"""
     if os.environ.get("MIXPREC_TEST_ZYGOTE", "1") == "0":
         return False
-    changed = {k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)}
-    return all(k in SAFE_ENV or k.startswith(SAFE_PREFIXES) for k in changed)
+    return not unsafe(env, os.environ, os.environ)
+
+
+def unsafe(env: dict, before: dict, after: dict) -> list[str]:
+    """The keys of `env` that may be read while PRELOAD is imported and differ from what those
+    imports saw (`before`) and from what they left (`after`: torch, sklearn and inductor set
+    some, e.g. KMP_DUPLICATE_LIB_OK, TORCHINDUCTOR_CACHE_DIR)."""
+    keys = set(env) | set(before) | set(after)
+    changed = {k for k in keys if env.get(k) != before.get(k) and env.get(k) != after.get(k)}
+    return sorted(k for k in changed if k not in SAFE_ENV and not k.startswith(SAFE_PREFIXES))
+
+
+def relay_env() -> dict:
+    """The environment under which torchrun (PYTHON_EXEC) or a script (benchmarks/two_gpu.sh's
+    PYTHON) starts its Python processes through tests/zygote_python: forked from this process's
+    zygote where they can be. Empty under MIXPREC_TEST_ZYGOTE=0."""
+    if os.environ.get("MIXPREC_TEST_ZYGOTE", "1") == "0":
+        return {}
+    return {"PYTHON_EXEC": str(RELAY), PYTHON_ENV: sys.executable, SOCKET_ENV: _address()}
 
 
 # ---------------------------------------------------------------------------------- the server
@@ -91,24 +126,55 @@ def serve(path: str) -> dict:
                     if media is not None:
                         media.MEDIA_TMP.cleanup()
                     os._exit(0)
-                continue
-            conn, _ = listener.accept()
-            msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
-            sys.stdout.flush()
-            pid = os.fork()
-            if pid == 0:
-                sel.close()
-                listener.close()
-                conn.close()
-                return {**json.loads(msg), "fds": fds}
-            for fd in fds:
-                os.close(fd)
-            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-            waiting[pid] = conn
-        _reap(waiting)
+            elif key.fileobj is listener:
+                request = _accept(listener, sel, waiting)
+                if request is not None:
+                    return request
+            else:  # a client hung up before its child ended (killed): the child goes with it
+                _client_gone(key, sel, waiting)
+        _reap(waiting, sel)
 
 
-def _reap(waiting: dict) -> None:
+def _accept(listener: socket.socket, sel: selectors.BaseSelector, waiting: dict) -> dict | None:
+    """Forks the child of one request: returns the request in the child, None in the server
+    (or where the request is refused: an environment read at import differs)."""
+    conn, _ = listener.accept()
+    msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+    request = json.loads(msg)
+    refused = unsafe(request["env"], START_ENV, os.environ)
+    if refused:
+        conn.sendall(json.dumps({"refused": refused}).encode() + b"\n")
+    else:
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            sel.close()
+            listener.close()
+            conn.close()
+            for other in waiting.values():
+                other.close()
+            return {**request, "fds": fds}
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        waiting[pid] = conn
+        sel.register(conn, selectors.EVENT_READ, pid)
+    for fd in fds:
+        os.close(fd)
+    if refused:
+        conn.close()
+    return None
+
+
+def _client_gone(key: selectors.SelectorKey, sel: selectors.BaseSelector, waiting: dict) -> None:
+    with contextlib.suppress(OSError):
+        if key.fileobj.recv(1):
+            return  # (clients send nothing after their request)
+    sel.unregister(key.fileobj)
+    if key.data in waiting:
+        with contextlib.suppress(OSError):
+            os.killpg(key.data, signal.SIGKILL)
+
+
+def _reap(waiting: dict, sel: selectors.BaseSelector) -> None:
     while waiting:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -118,6 +184,8 @@ def _reap(waiting: dict) -> None:
             return
         conn = waiting.pop(pid, None)
         if conn is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                sel.unregister(conn)
             with contextlib.suppress(OSError):
                 conn.sendall(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode())
             conn.close()
@@ -125,7 +193,7 @@ def _reap(waiting: dict) -> None:
 
 def become(request: dict, home: str) -> None:
     """In the child: take the request's session, output, directory, environment and argv as a
-    new `python train.py ARGS` process would have them."""
+    new `python [-u] SCRIPT ARGS` or `python [-u] -m MODULE ARGS` process would have them."""
     os.setsid()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -135,6 +203,12 @@ def become(request: dict, home: str) -> None:
     os.dup2(err, 2)
     for fd in {out, err}:
         os.close(fd)
+    # python -u (torchrun starts its ranks so) or PYTHONUNBUFFERED, as CPython makes it
+    if request.get("unbuffered") or request["env"].get("PYTHONUNBUFFERED"):
+        for name, fd in (("stdout", 1), ("stderr", 2)):
+            old = getattr(sys, name)
+            raw = io.FileIO(fd, "w", closefd=False)
+            setattr(sys, name, io.TextIOWrapper(raw, old.encoding, old.errors, write_through=True))
     os.chdir(request["cwd"])
     env = request["env"]
     os.environ.clear()
@@ -142,7 +216,7 @@ def become(request: dict, home: str) -> None:
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     base = [p for p in sys.path[1:] if p not in BASE_PYTHONPATH]
     module = _module(request["argv"])
-    first = request["cwd"] if module else str(TRAIN.parent)  # -m: the working directory
+    first = request["cwd"] if module else os.path.dirname(_script(request))  # as python does
     sys.path[:] = [first, *extra, *base]
     if env.get("OMP_NUM_THREADS"):
         import torch
@@ -153,6 +227,9 @@ def become(request: dict, home: str) -> None:
 
         faulthandler.enable()
     _own_wandb_media_dir(home)
+    if env.get(LOG_ENV):  # (the tests that check what was forked)
+        with open(env[LOG_ENV], "a") as f:
+            f.write(json.dumps({"argv": request["argv"], "rank": env.get("RANK")}) + "\n")
     sys.argv = [module, *request["argv"][2:]] if module else request["argv"]  # -m: run_module
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -160,6 +237,10 @@ def become(request: dict, home: str) -> None:
 def _module(argv: list[str]) -> str:
     """The module of `python -m MODULE ARGS` (argv: what follows the interpreter), else ""."""
     return argv[1] if argv[0] == "-m" else ""
+
+
+def _script(request: dict) -> str:
+    return os.path.realpath(os.path.join(request["cwd"], request["argv"][0]))
 
 
 def _own_wandb_media_dir(home: str) -> None:
@@ -188,8 +269,8 @@ def main() -> None:
 
     if _module(request["argv"]):  # python -m mixprec.diagnose ARGS, and the like
         runpy.run_module(_module(request["argv"]), run_name="__main__", alter_sys=True)
-    else:
-        runpy.run_path(str(TRAIN), run_name="__main__")  # its exit is the interpreter's own
+    else:  # train.py, or a script torchrun starts; its exit is the interpreter's own
+        runpy.run_path(_script(request), run_name="__main__")
 
 
 # ---------------------------------------------------------------------------------- the client
@@ -197,12 +278,14 @@ def main() -> None:
 _server: dict = {}
 
 
-def _connect() -> socket.socket:
+def _address() -> str:
+    """The path of this process's zygote's socket, the zygote started first if need be."""
     proc = _server.get("proc")
     if proc is None or proc.poll() is not None:
         path = os.path.join(tempfile.mkdtemp(prefix="mixprec-zygote-"), "socket")
         proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), path],
+            env=START_ENV,  # pytest's own, not a test's (monkeypatch.setenv) that started it
             stdin=subprocess.PIPE,  # its lifeline: it ends when this process does
             stdout=subprocess.PIPE,
             text=True,
@@ -213,9 +296,17 @@ def _connect() -> socket.socket:
         if line[:1] != ["ready"]:
             raise RuntimeError(f"the test zygote did not start (exit {proc.wait()})")
         _server.update(proc=proc, path=line[1])
+    return _server["path"]
+
+
+def _connect() -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(_server["path"])
+    sock.connect(_address())
     return sock
+
+
+class Refused(RuntimeError):
+    """The zygote would not fork this run (its environment differs where imports read it)."""
 
 
 class Launched:
@@ -235,7 +326,12 @@ class Launched:
         for fd in {out_w, err_w}:
             os.close(fd)
         self._sock = sock.makefile("r")
-        self.pid = json.loads(self._sock.readline())["pid"]
+        reply = json.loads(self._sock.readline() or "{}")
+        if "pid" not in reply:
+            for fd in {out_r, err_r}:
+                os.close(fd)
+            raise Refused(f"the test zygote refused {self.args}: {reply}")
+        self.pid = reply["pid"]
         self._ended = threading.Event()
         self._parts = {"out": [], "err": []}
         self._readers = [self._read(out_r, "out")]
@@ -282,5 +378,66 @@ class Launched:
             os.kill(self.pid, sig)
 
 
+# ----------------------------------------------------------------------------------- the relay
+
+FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGABRT", "SIGALRM")
+
+
+def relay(argv: list[str]) -> None:
+    """tests/zygote_python, the `python` that torchrun (PYTHON_EXEC) and two_gpu.sh (PYTHON)
+    start in the tests: `python ARGS` (argv), forked from the zygote at SOCKET_ENV when ARGS is
+    `[-u] SCRIPT.py ...` or `[-u] -m MODULE ...` and the zygote takes the environment; anything
+    else execs the real interpreter. This process then stands in for the child to whoever
+    started it: a signal it gets goes on to the child's process group (where a real rank's
+    loader workers are), its exit is the child's (a signal too), and if it is killed, the zygote
+    kills the child. Like a real rank, it is sent SIGTERM when torchrun's agent dies."""
+    unbuffered = argv[:1] == ["-u"]
+    rest = argv[1:] if unbuffered else argv
+    script = rest[:1] != ["-m"] and rest[:1] and rest[0].endswith(".py") and Path(rest[0]).is_file()
+    reply, answers = {}, None
+    if script or (rest[:1] == ["-m"] and len(rest) > 1):
+        request = {
+            "argv": rest,
+            "cwd": os.getcwd(),
+            "env": dict(os.environ),
+            "unbuffered": unbuffered,
+        }
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(os.environ[SOCKET_ENV])
+            socket.send_fds(sock, [json.dumps(request).encode()], [1, 2])
+            answers = sock.makefile("r")
+            reply = json.loads(answers.readline() or "{}")
+        except (OSError, KeyError, ValueError):
+            reply = {}
+    if "pid" not in reply:
+        python = os.environ[PYTHON_ENV]
+        os.execv(python, [python, *argv])
+    pid = reply["pid"]
+
+    def forward(sig: int, _frame) -> None:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, sig)
+
+    for name in FORWARDED:
+        signal.signal(getattr(signal, name), forward)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # as parallel.distributed.die_with_agent
+        import ctypes
+
+        agent = os.getppid()
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != agent:
+            forward(signal.SIGTERM, None)
+    line = answers.readline()
+    code = json.loads(line)["code"] if line else -signal.SIGKILL
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code if code >= 0 else 128 - code)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--relay"]:
+        relay(sys.argv[2:])
+    else:
+        main()
