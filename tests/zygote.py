@@ -14,8 +14,11 @@ Launched is the client: a subprocess.Popen for conftest.finish() (pid, communica
 returncode). conftest.run_train uses it (start_session's `forked`) unless the run needs an
 environment read at import time (only the keys in SAFE_ENV may differ) or
 MIXPREC_TEST_ZYGOTE=0; tests about how a process
-starts, signals and torchrun start real processes. tests/test_zygote.py checks that a run
-through it and a real process write the same things.
+starts and the runs a test signals start real processes. torchrun's agent and ranks come
+through tests/zygote_python (relay(), torchrun's PYTHON_EXEC), which stands in for the forked
+child. The zygote refuses a request whose environment differs where its imports may read it
+(unsafe()): the caller then starts a real process. tests/test_zygote.py checks that a run
+through it and a real process write the same things, torchrun's included.
 """
 
 from __future__ import annotations
@@ -390,7 +393,9 @@ def relay(argv: list[str]) -> None:
     else execs the real interpreter. This process then stands in for the child to whoever
     started it: a signal it gets goes on to the child's process group (where a real rank's
     loader workers are), its exit is the child's (a signal too), and if it is killed, the zygote
-    kills the child. Like a real rank, it is sent SIGTERM when torchrun's agent dies."""
+    kills the child. Like a real rank, it is sent SIGTERM when torchrun's agent dies (the
+    same prctl as mixprec.parallel.distributed.die_with_agent, which cannot be imported here:
+    this process runs without site-packages, to start in milliseconds)."""
     unbuffered = argv[:1] == ["-u"]
     rest = argv[1:] if unbuffered else argv
     script = rest[:1] != ["-m"] and rest[:1] and rest[0].endswith(".py") and Path(rest[0]).is_file()
