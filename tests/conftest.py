@@ -8,20 +8,40 @@ import json
 import os
 import resource
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 import warnings
 from pathlib import Path
 
 import pytest
-import torch
-import zygote  # tests/zygote.py: train.py runs forked from a process that has imported its modules
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
 
-from mixprec.run.config import register_configs, validate
+
+def _session_tmpdir() -> str | None:
+    """The test session's own TMPDIR, made by the first pytest process (xdist's workers, the test
+    zygotes and every run they start inherit it) and removed at its end: what a killed run or a
+    zygote's imports leave in a temporary directory goes with it, not into the machine's /tmp.
+    pytest's own tmp_path directories stay where pytest keeps them (its last three sessions)."""
+    if os.environ.get("MIXPREC_TEST_TMPDIR"):  # an xdist worker: the controller's
+        return None
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    path = tempfile.mkdtemp(prefix="mixprec-tests-")
+    os.environ["TMPDIR"] = os.environ["MIXPREC_TEST_TMPDIR"] = path
+    tempfile.tempdir = None  # (gettempdir() reads TMPDIR again)
+    return path
+
+
+SESSION_TMPDIR = _session_tmpdir()  # before the imports below make their temporary directories
+
+import torch  # noqa: E402
+import zygote  # noqa: E402  # tests/zygote.py: train.py runs forked from the imports' process
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from mixprec.run.config import register_configs, validate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 if os.environ.get("PYTEST_XDIST_WORKER"):  # make test runs -n 2 on 2 cores: two workers that
@@ -240,6 +260,11 @@ def train_losses(run_dir: Path) -> list[float]:
 def last_weights(run_dir: Path) -> dict:
     """The model weights of a run dir's last checkpoint."""
     return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def pytest_unconfigure(config):
+    if SESSION_TMPDIR is not None:
+        shutil.rmtree(SESSION_TMPDIR, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -125,9 +125,9 @@ def serve(path: str) -> dict:
             if key.fileobj is sys.stdin:
                 if not sys.stdin.readline():  # its own files go with it
                     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-                    media = sys.modules.get("wandb.sdk.data_types._private")
-                    if media is not None:
-                        media.MEDIA_TMP.cleanup()
+                    for module, attr, _ in WANDB_TMP:
+                        if (tmp := _wandb_tmp(module, attr)) is not None:
+                            tmp.cleanup()
                     os._exit(0)
             elif key.fileobj is listener:
                 request = _accept(listener, sel, waiting)
@@ -229,7 +229,7 @@ def become(request: dict, home: str) -> None:
         import faulthandler
 
         faulthandler.enable()
-    _own_wandb_media_dir(home)
+    _own_wandb_tmp_dirs(home)
     if env.get(LOG_ENV):  # (the tests that check what was forked)
         with open(env[LOG_ENV], "a") as f:
             f.write(json.dumps({"argv": request["argv"], "rank": env.get("RANK")}) + "\n")
@@ -246,19 +246,33 @@ def _script(request: dict) -> str:
     return os.path.realpath(os.path.join(request["cwd"], request["argv"][0]))
 
 
-def _own_wandb_media_dir(home: str) -> None:
-    """wandb makes one temporary directory for media (tables, images) when it is imported and
-    deletes it when that process exits: the forks shared the zygote's, and the first child to
-    exit deleted it under the others ("W&B table failed (FileNotFoundError: ...wandb-media/..."
-    in a sweep that ran beside it). Each child gets one of its own, deleted at its own exit."""
-    private = sys.modules.get("wandb.sdk.data_types._private")
-    if private is None:
-        return
-    tmp = private.MEDIA_TMP  # one object, imported by name into wandb's media modules
-    tmp._finalizer.detach()  # the zygote's directory stays the zygote's
-    # in the zygote's own directory, which the zygote deletes (train.py ends through os._exit)
-    tmp.name = tempfile.mkdtemp("wandb-media", dir=home)
-    tmp._finalizer = weakref.finalize(tmp, shutil.rmtree, tmp.name, ignore_errors=True)
+# wandb's temporary directories, made when it is imported and deleted when that process exits
+WANDB_TMP = (
+    ("wandb.sdk.data_types._private", "MEDIA_TMP", "wandb-media"),  # media (tables, images)
+    ("wandb.sdk.artifacts.artifact", "Artifact._TMP_DIR", "wandb-artifacts"),
+)
+
+
+def _own_wandb_tmp_dirs(home: str) -> None:
+    """wandb makes its temporary directories when it is imported and deletes them when that
+    process exits: the forks shared the zygote's, and the first child to exit deleted them under
+    the others ("W&B table failed (FileNotFoundError: ...wandb-media/..." in a sweep that ran
+    beside it). Each child gets its own, in the zygote's home, deleted at the child's exit (or
+    with that home: train.py ends through os._exit)."""
+    for module, attr, suffix in WANDB_TMP:
+        tmp = _wandb_tmp(module, attr)
+        if tmp is None:
+            continue
+        tmp._finalizer.detach()  # the zygote's directory stays the zygote's
+        tmp.name = tempfile.mkdtemp(suffix, dir=home)  # (its atexit cleanup reads the name)
+        tmp._finalizer = weakref.finalize(tmp, shutil.rmtree, tmp.name, ignore_errors=True)
+
+
+def _wandb_tmp(module: str, attr: str) -> tempfile.TemporaryDirectory | None:
+    obj = sys.modules.get(module)
+    for name in attr.split(".") if obj is not None else ():
+        obj = getattr(obj, name, None)
+    return obj
 
 
 def main() -> None:
