@@ -1,11 +1,14 @@
 """mixprec's one training entrypoint: `python train.py precision=amp batch=768` (see README.md)."""
 
 import gc
-import os
-import sys
 
-from mixprec.internals import quick_exit
-from mixprec.precision import fp8_early
+gc.disable()  # until the imports are done (frozen below): their collections cost 1.3 of 6.9 CPU-s
+
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from mixprec.internals import quick_exit  # noqa: E402
+from mixprec.precision import fp8_early  # noqa: E402
 
 quick_exit.install()  # first: its atexit handler runs last, then skips the interpreter teardown
 fp8_early.start(sys.argv[1:])  # precision=fp8_auto: its timing processes import meanwhile
@@ -20,7 +23,9 @@ from mixprec.run.session import main as run_main  # noqa: E402
 # What the imports made (torch's, timm's, Hydra's objects: 420,000 of them) lives as long as the
 # process: out of the collector's sight, each full collection takes 0.0 s instead of 0.4 s on
 # this 2-core CPU, and the ones Python starts on its own during training stop walking them.
+# (gc.disable() early, gc.freeze() before forking, as the gc module's documentation advises.)
 gc.freeze()
+gc.enable()
 register_configs()
 
 

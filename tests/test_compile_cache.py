@@ -40,7 +40,8 @@ def test_a_compiled_run_writes_its_kernels_and_the_next_run_on_a_new_machine_loa
     tmp_path,
 ):
     cache = tmp_path / "kernels" / "fast.bin"
-    log, first = train(tmp_path, "a", cache, "inductor_a")
+    log, first = train(tmp_path, "a", cache, "inductor_a")  # the LM's blocks compiled, trained
+    assert first["status"] == "completed" and first["compile_s"] > 0
     assert "does not exist yet; this run will write it" in log
     assert cache.is_file() and cache.stat().st_size > 1000
     written = cache.read_bytes()

@@ -215,7 +215,7 @@ def test_amp_bf16_and_fp32_reach_the_same_loss(cfg_factory):
 @pytest.mark.slow
 def test_resume_is_bit_exact(cfg_factory, tmp_path):
     base = [
-        *LM,
+        *SMALL,
         "trainer.max_steps=12",
         "ckpt.every_steps=6",
         "ckpt.keep=3",
@@ -231,14 +231,6 @@ def test_resume_is_bit_exact(cfg_factory, tmp_path):
     a = torch.load(tmp_path / "ref" / "checkpoints" / "last.pt", weights_only=True)["model"]
     b = torch.load(tmp_path / "again" / "checkpoints" / "last.pt", weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-@pytest.mark.slow
-def test_compiled_blocks_train_the_lm(cfg_factory):
-    s = run.run(
-        cfg_factory(*LM, "trainer.max_steps=4", "model.compile=true", "model.compile_scope=blocks")
-    )
-    assert s["status"] == "completed" and s["compile_s"] > 0
 
 
 def test_the_fp8_share_of_an_lm_is_its_owned_linears():
@@ -260,7 +252,8 @@ def test_the_fp8_share_of_an_lm_is_its_owned_linears():
 def test_a_sweeps_later_job_times_its_own_start_and_compile(cfg_factory):
     """In an in-process sweep, first_step_s and compile_s are the job's own, not the
     process's running totals."""
-    first = run.run(cfg_factory(*SMALL, "trainer.max_steps=2", "model.compile=true"))
-    second = run.run(cfg_factory(*SMALL, "trainer.max_steps=2"))  # not compiled
+    one = [*SMALL, "model.kwargs.n_layers=1", "trainer.max_steps=2"]
+    first = run.run(cfg_factory(*one, "model.compile=true"))
+    second = run.run(cfg_factory(*one))  # not compiled
     assert first["compile_s"] > 0 and second["compile_s"] == 0
     assert second["first_step_s"] < first["first_step_s"]

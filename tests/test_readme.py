@@ -27,7 +27,9 @@ SHORT = [
     "logger=none",
     "trainer.perf_warmup_steps=0",
 ]
-TIMED = ["trainer.max_steps=11", "hydra.sweeper.n_trials=2"]  # optuna's objective is samples/s
+# optuna's objective is samples/s. Sampler seed 8 draws two trials that do not compile (seed 0's
+# both did: 9 and 22 s of CPU compile; compiled jobs of a sweep are test_lm.py's)
+TIMED = ["trainer.max_steps=11", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=8"]
 # a language model's commands on a smaller shape too: this CPU has no bf16 or fp16 matmul units
 # (12x slower than fp32), and the defaults' batch of 8,192 tokens took 9 s a step in bf16
 LM_SHORT = ["data.seq_len=32", "data.val_sequences=8", "batch=8"]
