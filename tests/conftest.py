@@ -284,12 +284,29 @@ def last_weights(run_dir: Path) -> dict:
     return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
 
 
+_MODULES = [0]
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    """Once a test has imported more (timm's models, torchao, transformers: hundreds of
+    thousands of objects that live as long as the process), the collector sets them aside as
+    conftest did the first imports: each in-process run's full collection (a later job's
+    release_earlier_jobs) then walks only what that run made."""
+    if len(sys.modules) != _MODULES[0]:
+        _MODULES[0] = len(sys.modules)
+        gc.collect()  # (what the test left is freed first, not frozen)
+        gc.freeze()
+
+
 def pytest_unconfigure(config):
     if SESSION_TMPDIR is not None:
         shutil.rmtree(SESSION_TMPDIR, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
+    # the end-to-end runs first (in their own order): xdist then ends on short tests, not with
+    # one worker left on a minute-long torchrun test while the other has nothing left to do
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")

@@ -133,8 +133,9 @@ def test_the_cpu_study_runs_end_to_end_through_train_py(tmp_path):
         [
             "experiment=quality_cpu",
             "seed=0,1",
-            "trainer.max_steps=30",
-            "study.budget=20",
+            "trainer.max_steps=15",
+            "trainer.val_every=5",
+            "study.budget=10",
             "batch=8",  # the preset's model and data, smaller: the study's mechanics only
             "data.seq_len=32",
             "data.val_sequences=16",
@@ -153,7 +154,7 @@ def test_the_cpu_study_runs_end_to_end_through_train_py(tmp_path):
     assert (tmp_path / "report.md").read_text().startswith("## Time to the same quality")
     seeds = {(s["precision"], s["seed"]) for s in result["seeds"]}
     assert seeds == {("fp32", 0), ("fp32", 1), ("bf16", 0), ("bf16", 1)}
-    assert all(len(s["curve"]) == 3 for s in result["seeds"])  # evaluated at steps 10, 20, 30
+    assert all(len(s["curve"]) == 3 for s in result["seeds"])  # evaluated at steps 5, 10, 15
 
 
 def test_a_budget_sets_the_target_at_the_references_step_and_leaves_the_rest_to_reach_it():
