@@ -67,8 +67,8 @@ CPU_SMALL = ["hardware=cpu", "logger=none", "trainer.log_every=1", "trainer.perf
 def compose_cfg(overrides: list[str], run_dir: Path | None = None) -> DictConfig:
     """compose() as train.py's parser composes, with run_dir set (default "."). The same
     overrides compose to the same config while the ConfigStore holds the same nodes (a test
-    that stores a plugin's node changes them), so a
-    composition is made once a process and copied after (0.3 s each; 0.01 s a copy)."""
+    that stores a plugin's node changes them), so each composition is made once a process and
+    copied after (0.3 s to compose; 0.01 s a copy)."""
     key = (tuple(overrides), _store_nodes(ConfigStore.instance().repo))
     if key not in _COMPOSED:
         _COMPOSED[key] = compose("train", overrides=["run_dir=.", *overrides])
