@@ -303,6 +303,16 @@ def pytest_unconfigure(config):
         shutil.rmtree(SESSION_TMPDIR, ignore_errors=True)
 
 
+def pytest_configure(config):
+    """xdist's load scheduling hands each worker a quarter of the suite at its start (84 tests
+    here, the end-to-end runs among them) and never takes them back: one worker ran minute-long
+    signal tests to the end while the other had been idle for 78 s. Two at a time instead (a
+    given --maxschedchunk wins): a worker asks for more as it finishes, and the two end
+    together."""
+    if getattr(config.option, "maxschedchunk", 0) is None:
+        config.option.maxschedchunk = 2
+
+
 def pytest_collection_modifyitems(config, items):
     # the end-to-end runs first (in their own order): xdist then ends on short tests, not with
     # one worker left on a minute-long torchrun test while the other has nothing left to do

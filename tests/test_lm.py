@@ -179,7 +179,9 @@ SMALL = [*LM, "data.seq_len=64", "batch=16", "data.val_sequences=32"]
 
 @pytest.mark.slow
 def test_llama_tiny_learns_real_text_below_the_unigram_baseline(cfg_factory):
-    cfg = cfg_factory(*LM, "batch=32", "trainer.max_steps=60", "optimizer.lr=0.003")
+    # 60 steps of 16 sequences at lr 0.006 end 0.53 nats below the unigram (batch 32 at lr
+    # 0.003: 0.47, in twice the time)
+    cfg = cfg_factory(*LM, "batch=16", "trainer.max_steps=60", "optimizer.lr=0.006")
     s = run.run(cfg)
     train, val, _ = text.corpus(4.0, 0.05)
     assert s["task"] == "lm" and s["val_acc1"] is None
@@ -192,7 +194,7 @@ def test_llama_tiny_learns_real_text_below_the_unigram_baseline(cfg_factory):
 
 @pytest.mark.slow
 def test_amp_bf16_and_fp32_reach_the_same_loss(cfg_factory):
-    """On the CPU (autocast to fp16 or bf16): after 30 steps every precision has learned (from
+    """On the CPU (autocast to fp16 or bf16): after 15 steps every precision has learned (from
     ln 256 = 5.55 nats, a uniform guess over bytes, to below 4.5) and the val losses agree within
     0.05 nats (the same seed and data; the low-precision matmuls round differently). A small
     shape: this CPU multiplies bf16 and fp16 12x slower than fp32 (no units for them)."""
@@ -204,8 +206,8 @@ def test_amp_bf16_and_fp32_reach_the_same_loss(cfg_factory):
             "batch=8",
             "data.val_sequences=16",
             f"precision={p}",
-            "trainer.max_steps=30",
-            "optimizer.lr=0.003",
+            "trainer.max_steps=15",
+            "optimizer.lr=0.006",
         )
         losses[p] = run.run(cfg)["val_loss"]
     assert max(losses.values()) < 4.5, losses
@@ -251,9 +253,11 @@ def test_the_fp8_share_of_an_lm_is_its_owned_linears():
 @pytest.mark.slow
 def test_a_sweeps_later_job_times_its_own_start_and_compile(cfg_factory):
     """In an in-process sweep, first_step_s and compile_s are the job's own, not the
-    process's running totals."""
+    process's running totals. (The first job is the LM with its blocks compiled one by one.)"""
     one = [*SMALL, "model.kwargs.n_layers=1", "trainer.max_steps=2"]
-    first = run.run(cfg_factory(*one, "model.compile=true"))
+    blocks = ["model.compile=true", "model.compile_scope=blocks"]
+    first = run.run(cfg_factory(*one, *blocks))
     second = run.run(cfg_factory(*one))  # not compiled
+    assert first["status"] == second["status"] == "completed"
     assert first["compile_s"] > 0 and second["compile_s"] == 0
     assert second["first_step_s"] < first["first_step_s"]

@@ -66,7 +66,8 @@ def no_val() -> dict:
 
 class SlowVal(Dataset):
     """Validation images that take `delay` seconds each; item `mark_at` creates `marker` (the
-    evaluation is under way: tests/test_hostile.py signals the run then)."""
+    evaluation is under way: tests/test_hostile.py signals the run then). Once `marker`.quick
+    exists they take no time (the same data: what a resume's evaluations read)."""
 
     def __init__(self, n: int, delay: float, marker: str, mark_at: int) -> None:
         g = torch.Generator().manual_seed(1)
@@ -85,7 +86,8 @@ class SlowVal(Dataset):
 
         if i == self.mark_at:
             pathlib.Path(self.marker).touch()
-        time.sleep(self.delay)
+        if not pathlib.Path(self.marker + ".quick").exists():
+            time.sleep(self.delay)
         return self.x[i], self.y[i]
 
 
