@@ -36,6 +36,12 @@ def _session_tmpdir() -> str | None:
 
 
 SESSION_TMPDIR = _session_tmpdir()  # before the imports below make their temporary directories
+# The suite's CPU compiles (in-process, and in every run it starts) emit inductor's scalar C++,
+# its own path for CPUs without vector units: the same graphs, kernels and caches, less code for
+# g++. What the tests check is mixprec's (a compiled run trains like eager, its cache loads),
+# not inductor's vectorizer; the full suite took 629 s and 1,211 CPU-s with it, 650 s and 1,251
+# without (2 cores, 2026-12-04). TORCHINDUCTOR_VEC_ISA_OK=1 pytest ... compiles vectorized.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 gc.disable()  # while importing (frozen below, as train.py does)
 
 import torch  # noqa: E402

@@ -211,11 +211,14 @@ def test_torchrun_with_workers_signalled_as_a_group_stops_every_rank_once(tmp_pa
     it and sends it on to each rank's own process group (torchrun starts every rank in a
     session of its own), so the ranks and their loader workers get it once. The ranks agree on
     one stop step, rank 0 checkpoints it, and the printed torchrun command resumes to the
-    weights of an uninterrupted torchrun run, bit for bit. (torchrun itself then exits 1 with
-    its SignalException: torch's agent, not the run, sets that code.)"""
+    weights of an uninterrupted torchrun run, bit for bit; that run has no loader workers (a
+    sample's augmentation is its own, whoever serves it), so no forkservers of its own either.
+    (torchrun itself then exits 1 with its SignalException: torch's agent, not the run, sets
+    that code.)"""
     run_dir, ref = tmp_path / "run", tmp_path / "ref"
     # the uninterrupted run and the resume are signalled by no one: forked (zygote.relay)
-    done = start([*base(images), f"hydra.run.dir={ref}"], python=TORCHRUN, threads=1, forked=True)
+    plain = [*base(images, workers=0), f"hydra.run.dir={ref}"]
+    done = start(plain, python=TORCHRUN, threads=1, forked=True)
     out = finish(done, 300)[0]
     assert done.returncode == 0, out[-3000:]
     proc = start([*base(images), f"hydra.run.dir={run_dir}"], python=TORCHRUN, threads=1)
