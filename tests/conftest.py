@@ -152,12 +152,12 @@ FAMILY = "MIXPREC_TEST_RUN"  # start_session's mark: every process a test run st
 
 
 def run_module(
-    module: str, args: list, cwd: Path = ROOT, timeout: int = 300
+    module: str, args: list, cwd: Path = ROOT, timeout: int = 300, env_extra: dict | None = None
 ) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS` (mixprec.diagnose, .report, .export, .prepare, .sync) as
     subprocess.run(capture_output=True, text=True) runs it, forked from the zygote."""
     cmd = [sys.executable, "-m", module, *map(str, args)]
-    return run_session(cmd, cwd, dict(os.environ), timeout, forked=True)
+    return run_session(cmd, cwd, {**os.environ, **(env_extra or {})}, timeout, forked=True)
 
 
 def start_session(

@@ -269,9 +269,7 @@ def test_diagnose_on_a_summary_it_cannot_read_says_so(tmp_path, content, needle)
 
 @pytest.mark.slow
 def test_diagnose_names_a_missing_run_dir_and_answers_help(tmp_path):
-    run_diag = lambda *a: subprocess.run(  # noqa: E731
-        [sys.executable, "-m", "mixprec.diagnose", *a], capture_output=True, text=True
-    )
+    run_diag = lambda *a: run_module("mixprec.diagnose", a)  # noqa: E731
     missing = run_diag(str(tmp_path / "nope"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     helped = run_diag("--help")

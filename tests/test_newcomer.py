@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -174,9 +173,7 @@ def test_the_diagnose_cli_gives_config_errors_as_train_py_does(args, needle):
 
 
 def test_help_shows_the_defaults_the_config_has():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "--help"], cwd=ROOT, capture_output=True, text=True
-    )
+    proc = run_train(["--help"])
     assert "trainer.clip_grad_norm=None (null: off)" in proc.stdout  # not an example value
     assert "batch=64" in proc.stdout and "logger=wandb|tensorboard|none" in proc.stdout
 

@@ -131,7 +131,9 @@ def start(
     """train.py as the leader of a process group of its own (as a terminal or timeout starts
     it), so that the group can be signalled without signalling pytest. (A run compared bit for
     bit with another must use the same number of threads.) Real processes, except `forked`
-    (a run no signal is sent to: torchrun's agent and ranks from the zygote, zygote.relay)."""
+    (a run no signal is sent to: torchrun's agent and ranks from the zygote, zygote.relay; and
+    the runs that test what a signal does once training is under way: the real processes
+    here, signalled as a group, by `timeout` or through torchrun, cover the rest)."""
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -182,7 +184,9 @@ def test_a_signal_to_the_process_group_with_workers_stops_once_and_resumes_exact
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP])
 def test_a_schedulers_signal_to_the_group_checkpoints_once(tmp_path, images, sig):
-    proc = start([*base(images, steps=100000), f"hydra.run.dir={tmp_path}"])
+    """SIGUSR1, SIGUSR2 and SIGHUP stop as SIGINT and SIGTERM do (the real processes above and
+    below): here forked from the zygote, the leader of a session of its own all the same."""
+    proc = start([*base(images, steps=100000), f"hydra.run.dir={tmp_path}"], forked=True)
     wait_for_step(tmp_path, proc, 10)
     os.killpg(proc.pid, sig)
     stopped_at_a_checkpoint(tmp_path, proc, sig)
@@ -264,7 +268,7 @@ def test_sigkill_to_torchruns_group_takes_its_ranks_down_with_a_checkpoint(tmp_p
 @pytest.mark.slow
 def test_a_signal_to_one_worker_alone_does_not_stop_the_run(tmp_path, images):
     args = [*base(images), "trainer.stop_grace_s=3", f"hydra.run.dir={tmp_path}"]
-    proc = start(args)
+    proc = start(args, forked=True)
     wait_for_step(tmp_path, proc, 10)
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
     pids = [int(p) for p in workers.stdout.split()]
@@ -277,7 +281,7 @@ def test_a_signal_to_one_worker_alone_does_not_stop_the_run(tmp_path, images):
 
 @pytest.mark.slow
 def test_sixteen_workers_and_ctrl_c(tmp_path, images):
-    proc = start([*base(images, workers=16), f"hydra.run.dir={tmp_path}"])
+    proc = start([*base(images, workers=16), f"hydra.run.dir={tmp_path}"], forked=True)
     wait_for_step(tmp_path, proc, 10)
     os.killpg(proc.pid, signal.SIGINT)
     out = finish(proc, 120)[0]
@@ -291,7 +295,7 @@ def test_the_same_signal_twice_at_once_is_one_stop(tmp_path, images):
     """GNU `timeout` signals its child and then the child's whole process group: the trainer
     gets the signal twice within microseconds. That is one stop (a checkpoint), not a second
     Ctrl-C (an exit without one). Seen on the H200 with 16 workers."""
-    proc = start([*base(images, steps=100000), f"hydra.run.dir={tmp_path}"])
+    proc = start([*base(images, steps=100000), f"hydra.run.dir={tmp_path}"], forked=True)
     wait_for_step(tmp_path, proc, 10)
     os.kill(proc.pid, signal.SIGINT)
     time.sleep(0.05)  # two deliveries, not one coalesced pending signal

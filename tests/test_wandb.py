@@ -18,7 +18,7 @@ import pytest
 from test_run import check_run_dir
 
 import wandb_log
-from conftest import ROOT, run_train
+from conftest import ROOT, run_module, run_train
 
 QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.perf_warmup_steps=1"]
 
@@ -118,29 +118,15 @@ def test_a_sweep_and_its_report_run_share_project_mode_and_a_dated_group(tmp_pat
     listed = run_sync(sweep)
     assert len(listed) == 3 and all(Path(p).name.startswith("offline-run-") for p in listed)
     # rebuilding the report updates the same report run instead of adding another
-    import subprocess
-
-    subprocess.run(
-        [sys.executable, "-m", "mixprec.report", str(sweep)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        env={**os.environ, "WANDB_MODE": "offline"},
-    )
+    rebuilt = run_module("mixprec.report", [sweep], env_extra={"WANDB_MODE": "offline"})
+    assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
     reports = {r.run_id for r in wandb_log.runs_under(sweep) if r.job_type == "report"}
     assert reports == {report.run_id}
 
 
 def run_sync(path: Path) -> list[str]:
-    import subprocess
-
-    out = subprocess.run(
-        [sys.executable, "-m", "mixprec.sync", "--print", str(path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    out = run_module("mixprec.sync", ["--print", path])
+    assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.split()
 
 
