@@ -151,7 +151,7 @@ def test_a_stop_during_a_long_evaluation_checkpoints_the_last_step(tmp_path):
     state = torch.load(d / "checkpoints" / "last.pt", weights_only=True)["state"]
     assert summary["status"] == "preempted" and state["step"] == 4
     marker.unlink()
-    marker.with_name("evaluating.quick").touch()  # the resume's two evaluations: 13 s less
+    marker.with_name(marker.name + ".quick").touch()  # the resume's two evaluations: 13 s less
     done = run_train([*args, "resume=auto"])
     assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
     assert [r["step"] for r in rows(d) if "val/loss" in r] == [4, 8]
