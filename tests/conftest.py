@@ -139,13 +139,20 @@ def threads_as_here(env: dict) -> dict:
     return env
 
 
+def start_train(
+    args: list[str], cwd: Path = ROOT, env_extra: dict | None = None
+) -> subprocess.Popen:
+    """`python train.py ARGS` started, W&B offline and without credentials, forked from the
+    zygote; run_train waits for it, finish() waits for one started here."""
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
+    env.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env_extra or {})})
+    return start_session([sys.executable, str(ROOT / "train.py"), *args], cwd, env, forked=True)
+
+
 def run_train(
     args: list[str], cwd: Path = ROOT, env_extra: dict | None = None, timeout: int = 600
 ) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
-    env.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env_extra or {})})
-    cmd = [sys.executable, str(ROOT / "train.py"), *args]
-    return run_session(cmd, cwd, env, timeout, forked=True)
+    return completed(start_train(args, cwd, env_extra), timeout)
 
 
 FAMILY = "MIXPREC_TEST_RUN"  # start_session's mark: every process a test run started has it
@@ -249,9 +256,13 @@ def run_session(
     cmd: list[str], cwd: Path, env: dict, timeout: float, forked: bool = False
 ) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, capture_output=True, text=True), through start_session/finish."""
-    proc = start_session(cmd, cwd, env, forked=forked)
+    return completed(start_session(cmd, cwd, env, forked=forked), timeout)
+
+
+def completed(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """What subprocess.run returns, for a process from start_session once finish() has it."""
     out, err = finish(proc, timeout)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

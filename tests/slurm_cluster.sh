@@ -29,8 +29,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# a requeued job may start again after cred_expire + 1 s (default 120 s): the test requeues
-AuthInfo=cred_expire=10
+# a requeued job may start again after cred_expire + 1 s (default 120 s; Slurm's least is 5):
+# the test requeues
+AuthInfo=cred_expire=5
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool-%n
 SlurmctldPidFile=$dir/slurmctld.pid
@@ -42,7 +43,8 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
-SchedulerParameters=sched_min_interval=200000
+# no event starts a requeued job once its hold ends, the periodic pass does: every second, not 60
+SchedulerParameters=sched_min_interval=200000,sched_interval=1
 JobAcctGatherType=jobacct_gather/none
 MpiDefault=none
 ReturnToService=2

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, last_weights, run_train
+from conftest import ROOT, completed, last_weights, run_train, start_train, train_losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -31,12 +31,15 @@ LAUNCH = [
     "hydra.launcher.mem_gb=2",
 ]
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# the signal lands a few steps after the first checkpoint (step 25): 175 steps, about 3 s, before
+# the end on an idle machine
+STEPS = 200
 TRAIN = [
     "logger=none",
     "hardware=cpu",
-    "trainer.max_steps=400",
-    "ckpt.every_steps=50",
-    "trainer.log_every=50",
+    f"trainer.max_steps={STEPS}",
+    "ckpt.every_steps=25",
+    "trainer.log_every=25",
 ]
 
 
@@ -111,14 +114,16 @@ def test_the_time_limit_signal_checkpoints_requeues_and_resumes_bit_identical(tm
         in (sweep / ".submitit" / job / f"{job}_submission.sh").read_text()
     )
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    # the uninterrupted reference trains while SLURM holds the requeued job
+    local = start_train([*TRAIN, f"hydra.run.dir={ref}"], env_extra=ONE_THREAD)
     out, _ = launcher.communicate(timeout=600)
     assert launcher.returncode == 0, out[-4000:]
     logs = (sweep / "0" / "train.log").read_text()
     assert "Caught signal SIGUSR2" in job_logs(sweep)  # submitit's requeue, after our checkpoint
     assert "preempted" in logs and "resumed from" in logs
     assert summary(sweep / "0")["status"] == "completed"
-    assert summary(sweep / "0")["steps"] == 400
-    local = run_train([*TRAIN, f"hydra.run.dir={ref}"], env_extra=ONE_THREAD)
+    assert summary(sweep / "0")["steps"] == STEPS
+    local = completed(local, 600)
     assert local.returncode == 0, local.stderr[-3000:]
     mine, theirs = weights(sweep / "0"), weights(ref)
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
@@ -151,10 +156,10 @@ def test_scancel_of_a_job_with_loader_workers_leaves_a_preempted_run_with_a_chec
     assert "a second signal" not in (sweep / "0" / "train.log").read_text()
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_nodes_train_as_one_data_parallel_job(tmp_path, strategy):
-    """hydra.launcher.nodes=2 (one task per node), DDP or FSDP2: only global rank 0 writes the
-    run dir, and the losses equal one process with the same global batch."""
+def test_two_nodes_train_as_one_data_parallel_job(tmp_path):
+    """hydra.launcher.nodes=2 (one task per node), a sweep over DDP and FSDP2: two jobs on the
+    same two nodes at once. In each, only global rank 0 writes the run dir, and the losses equal
+    one process with the same global batch."""
     sweep, single = tmp_path / "sweep", tmp_path / "single"
     common = [
         "model=digits_mlp",
@@ -165,6 +170,7 @@ def test_two_nodes_train_as_one_data_parallel_job(tmp_path, strategy):
         "logger=none",
         "accum=2",
     ]
+    one = start_train([*common, "batch=32", f"hydra.run.dir={single}"], env_extra=ONE_THREAD)
     proc = run_train(
         [
             "-m",
@@ -173,22 +179,25 @@ def test_two_nodes_train_as_one_data_parallel_job(tmp_path, strategy):
             "hydra.launcher.timeout_min=5",
             *common,
             "batch=16",
-            f"parallel={strategy}",
+            "parallel=ddp,fsdp",
             f"hydra.sweep.dir={sweep}",
         ],
         env_extra=ONE_THREAD,
         timeout=600,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    s = summary(sweep / "0")
-    assert (s["world_size"], s["effective_batch"]) == (2, 64)
-    sharded = "the root sharded (FSDP2)" in (sweep / "0" / "train.log").read_text()
-    assert sharded == (strategy == "fsdp")
-    one = run_train([*common, "batch=32", f"hydra.run.dir={single}"], env_extra=ONE_THREAD)
+    one = completed(one, 600)
     assert one.returncode == 0, one.stderr[-3000:]
 
-    def losses(d: Path) -> list[float]:
-        rows = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
-        return [r["train/loss"] for r in rows if "train/loss" in r]
-
-    torch.testing.assert_close(losses(sweep / "0"), losses(single), rtol=1e-5, atol=1e-6)
+    strategies = []
+    for run in sorted(p for p in sweep.iterdir() if p.name.isdigit()):
+        s = summary(run)
+        assert (s["world_size"], s["effective_batch"]) == (2, 64)
+        strategy = (
+            "fsdp" if "parallel=fsdp" in (run / ".hydra" / "overrides.yaml").read_text() else "ddp"
+        )
+        sharded = "the root sharded (FSDP2)" in (run / "train.log").read_text()
+        assert sharded == (strategy == "fsdp"), strategy
+        torch.testing.assert_close(train_losses(run), train_losses(single), rtol=1e-5, atol=1e-6)
+        strategies.append(strategy)
+    assert sorted(strategies) == ["ddp", "fsdp"]
