@@ -401,7 +401,11 @@ def test_tensorboard_that_cannot_write_mid_run_warns_once_and_training_goes_on(t
     args = [*SMALL, "logger=tensorboard", "logger.flush_s=0.1", "trainer.max_steps=60"]
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     proc = start_session(
-        [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={d}"], ROOT, env, merge=True
+        [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={d}"],
+        ROOT,
+        env,
+        merge=True,
+        forked=True,
     )
     deadline = time.time() + 120
     while not (d / "metrics.jsonl").exists() or len(rows(d)) < 3:

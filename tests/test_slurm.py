@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, completed, last_weights, run_train, start_train, train_losses
+from conftest import (
+    ROOT,
+    completed,
+    last_weights,
+    run_train,
+    start_session,
+    start_train,
+    train_losses,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -30,7 +38,9 @@ LAUNCH = [
     "hydra.launcher.cpus_per_task=1",
     "hydra.launcher.mem_gb=2",
 ]
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# (torch gives MKL OpenMP's thread count: MKL_NUM_THREADS is not needed, and as MKL reads it
+# when it loads, it would keep a run from forking from the zygote)
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # the signal lands a few steps after the first checkpoint (step 25): 175 steps, about 3 s, before
 # the end on an idle machine
 STEPS = 200
@@ -69,23 +79,18 @@ def job_logs(sweep: Path) -> str:
 
 
 def launch(args: list[str], sweep: Path) -> subprocess.Popen:
-    """`python train.py -m ...` in the background (it waits for its SLURM jobs)."""
+    """`python train.py -m ...` in the background (it waits for its SLURM jobs), forked from
+    the zygote; its jobs start as SLURM starts them."""
     env = {**os.environ, **ONE_THREAD, "WANDB_MODE": "offline"}
-    return subprocess.Popen(
-        [sys.executable, "train.py", "-m", *LAUNCH, *args, f"hydra.sweep.dir={sweep}"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", *LAUNCH, *args, f"hydra.sweep.dir={sweep}"]
+    return start_session(cmd, ROOT, env, merge=True, forked=True)
 
 
 def job_training(sweep: Path, launcher: subprocess.Popen) -> str:
     """The SLURM job id, once its run has written a checkpoint (training is under way)."""
     deadline = time.time() + 180
     while time.time() < deadline and not list((sweep / "0" / "checkpoints").glob("step_*.pt")):
-        assert launcher.poll() is None, launcher.stdout.read()[-3000:]
+        assert launcher.poll() is None, launcher.communicate()[0][-3000:]
         time.sleep(0.2)
     jobs = [p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit()]
     assert jobs, "no job submitted"

@@ -57,7 +57,18 @@ PRELOAD = (
     "mixprec.run.config",
     "mixprec.run.session",
     "mixprec.data.digits",
+    "sklearn.model_selection",  # (the digits' split)
     "mixprec.data.text",
+    "mixprec.data.imagenet",  # every run lists the datasets (data.names()): it imports them all
+    "mixprec.data.cifar10",
+    "mixprec.data.custom",
+    "mixprec.data.synthetic",
+    "mixprec.data.tokens",
+    # the sweeper and launcher plugins Hydra imports as it starts (hydra_plugins is a namespace
+    # package: a child's own PYTHONPATH still adds its plugins)
+    "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper",
+    "hydra_plugins.hydra_submitit_launcher.submitit_launcher",
+    "hydra_plugins.mixprec_sweepers",
     "wandb.sdk.launch.inputs.internal",  # what wandb.init imports (0.5 s a W&B run)
     "matplotlib.pyplot",  # the report's plots
 )
