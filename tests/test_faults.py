@@ -60,7 +60,10 @@ def test_two_runs_started_together_in_one_run_dir(tmp_path):
         "trainer.max_steps=60",
         f"hydra.run.dir={tmp_path}",
     ]
-    procs = [start_session([*args, f"seed={s}"], ROOT, env, True, forked=True) for s in (0, 1)]
+    # forked from the zygote: both start within milliseconds and race for the run dir's lock
+    procs = [
+        start_session([*args, f"seed={s}"], ROOT, env, merge=True, forked=True) for s in (0, 1)
+    ]
     outs = [finish(p, 300)[0] for p in procs]
     codes = sorted(p.returncode for p in procs)
     assert codes == [0, 6], outs
