@@ -140,13 +140,15 @@ def threads_as_here(env: dict) -> dict:
 
 
 def start_train(
-    args: list[str], cwd: Path = ROOT, env_extra: dict | None = None
+    args: list[str], cwd: Path = ROOT, env_extra: dict | None = None, merge: bool = False
 ) -> subprocess.Popen:
     """`python train.py ARGS` started and not waited for (W&B offline and without credentials,
-    forked from the zygote): completed() waits for it, as run_train does."""
+    forked from the zygote): completed() waits for it, as run_train does. `merge`: stderr into
+    stdout."""
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env_extra or {})})
-    return start_session([sys.executable, str(ROOT / "train.py"), *args], cwd, env, forked=True)
+    cmd = [sys.executable, str(ROOT / "train.py"), *args]
+    return start_session(cmd, cwd, env, merge=merge, forked=True)
 
 
 def run_train(

@@ -21,7 +21,7 @@ from mixprec.run import rundir
 from mixprec.run import session as run
 from mixprec.sinks import local
 
-from conftest import ROOT, finish, run_train, start_session
+from conftest import ROOT, finish, run_train, start_session, start_train
 
 
 def summary(run_dir: Path) -> dict:
@@ -52,18 +52,9 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(cfg_factory, caplog):
 def test_two_runs_started_together_in_one_run_dir(tmp_path):
     """Seed 0 and seed 1 started at once into one run dir (a SLURM requeue while the old job
     lives): one trains, the other stops at once with exit 6 and writes nothing."""
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    args = [
-        sys.executable,
-        str(ROOT / "train.py"),
-        "logger=none",
-        "trainer.max_steps=60",
-        f"hydra.run.dir={tmp_path}",
-    ]
+    args = ["logger=none", "trainer.max_steps=60", f"hydra.run.dir={tmp_path}"]
     # forked from the zygote: both start within milliseconds and race for the run dir's lock
-    procs = [
-        start_session([*args, f"seed={s}"], ROOT, env, merge=True, forked=True) for s in (0, 1)
-    ]
+    procs = [start_train([*args, f"seed={s}"], merge=True) for s in (0, 1)]
     outs = [finish(p, 300)[0] for p in procs]
     codes = sorted(p.returncode for p in procs)
     assert codes == [0, 6], outs

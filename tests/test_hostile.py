@@ -21,7 +21,15 @@ from mixprec.core.errors import CheckpointError
 from mixprec.run import rundir
 from mixprec.run import session as run
 
-from conftest import ROOT, finish, last_weights, run_module, run_train, start_session
+from conftest import (
+    ROOT,
+    finish,
+    last_weights,
+    run_module,
+    run_train,
+    start_session,
+    start_train,
+)
 
 PLUGINS = ROOT / "tests" / "plugins"
 SMALL = ["hardware=cpu", "logger=none", "trainer.log_every=2", "trainer.perf_warmup_steps=0"]
@@ -399,14 +407,7 @@ def test_tensorboard_that_cannot_write_mid_run_warns_once_and_training_goes_on(t
     thread traceback, the run completes and metrics.jsonl keeps every row."""
     d = tmp_path / "run"
     args = [*SMALL, "logger=tensorboard", "logger.flush_s=0.1", "trainer.max_steps=60"]
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
-    proc = start_session(
-        [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={d}"],
-        ROOT,
-        env,
-        merge=True,
-        forked=True,
-    )
+    proc = start_train([*args, f"hydra.run.dir={d}"], merge=True)
     deadline = time.time() + 120
     while not (d / "metrics.jsonl").exists() or len(rows(d)) < 3:
         assert proc.poll() is None and time.time() < deadline, finish(proc, 30)[0][-3000:]

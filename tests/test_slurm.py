@@ -10,22 +10,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import (
-    ROOT,
-    completed,
-    last_weights,
-    run_train,
-    start_session,
-    start_train,
-    train_losses,
-)
+from conftest import completed, last_weights, run_train, start_train, train_losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -79,11 +70,10 @@ def job_logs(sweep: Path) -> str:
 
 
 def launch(args: list[str], sweep: Path) -> subprocess.Popen:
-    """`python train.py -m ...` in the background (it waits for its SLURM jobs), forked from
-    the zygote; its jobs start as SLURM starts them."""
-    env = {**os.environ, **ONE_THREAD, "WANDB_MODE": "offline"}
-    cmd = [sys.executable, str(ROOT / "train.py"), "-m", *LAUNCH, *args, f"hydra.sweep.dir={sweep}"]
-    return start_session(cmd, ROOT, env, merge=True, forked=True)
+    """`python train.py -m ...` in the background (it waits for its SLURM jobs); its jobs start
+    as SLURM starts them."""
+    sweep_args = ["-m", *LAUNCH, *args, f"hydra.sweep.dir={sweep}"]
+    return start_train(sweep_args, env_extra=ONE_THREAD, merge=True)
 
 
 def job_training(sweep: Path, launcher: subprocess.Popen) -> str:
