@@ -185,3 +185,27 @@ def test_the_plan_as_a_table_has_one_type_per_column_as_wandb_needs():
     }
     wandb.Table(columns=list(table[0]), data=[list(r.values()) for r in table])  # no TypeError
     assert "| gradients reduced in (as configured) | float32 | - |" in dtype_plan.markdown(plan)
+
+
+def test_the_rerun_forward_takes_16_samples_and_finds_the_full_batchs_plan(cfg_factory):
+    """The plan's eager re-run reads dtypes, which do not depend on the batch: a run of batch 64
+    re-runs its first 16 samples (before any validation) and reads the same plan as a run whose
+    whole batch is 16."""
+    from mixprec.models.zoo import DigitsCNN
+
+    seen = []
+
+    def note(module, args):
+        if isinstance(module, DigitsCNN) and not torch.is_grad_enabled():
+            seen.append(args[0].shape[0])
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(note)
+    try:
+        plans = {b: plan_of(cfg_factory("precision=bf16", f"batch={b}", *STEPS)) for b in (64, 16)}
+    finally:
+        hook.remove()
+    # the 64-batch run: the build's one sample (it sizes the LazyLinear), the plan's re-run,
+    # then validation's batches
+    assert seen[:3] == [1, 16, 64], seen
+    for key in ("compute", "forward_weights", "groups", "optimizer_state", "mismatches"):
+        assert plans[64][key] == plans[16][key], key

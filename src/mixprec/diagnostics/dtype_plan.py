@@ -6,9 +6,9 @@ optimizer step pre-hook of the first step, before zero_grad), of the optimizer s
 state_dict's tensors after that step: fp32, bf16, or torchao's 8-bit/4-bit/fp8 subclasses), a
 master copy if any (CPU offload's host copy of the weights), the dtype the weights have inside the
 forward (FSDP2 gathers them in its param_dtype), and the dtype each Linear, conv and norm
-computed in under autocast (forward hooks on an eager re-run of the first micro-batch, the run
-left untouched). A promise the objects break (Accelerate #3979: FSDP2 master weights that were
-not fp32) is a DtypeMismatch naming both, unless debug.dtype_plan=log.
+computed in under autocast (forward hooks on an eager re-run of the first micro-batch's first 16
+samples, the run left untouched). A promise the objects break (Accelerate #3979: FSDP2 master
+weights that were not fp32) is a DtypeMismatch naming both, unless debug.dtype_plan=log.
 """
 
 from __future__ import annotations
@@ -134,8 +134,9 @@ class Watch:
         from mixprec.models import unwrap
 
         model = unwrap(self.learner.model)
+        x = first_samples(micro_batch[0])
         compute, forward_weights = (
-            computed(model, self.learner.precision, micro_batch[0]) if self.rerun else ({}, {})
+            computed(model, self.learner.precision, x) if self.rerun else ({}, {})
         )
         host = getattr(self.learner.optimizer, "param_d2h_map", None) or {}
         return {
@@ -148,6 +149,16 @@ class Watch:
             "labels": sorted(set(self.learner.precision.audited().values())),  # its own layers
             "promise": asdict(self.promise) if self.promise else None,
         }
+
+
+PLAN_SAMPLES = 16  # the re-run's batch: dtypes do not depend on it, its time and memory do
+
+
+def first_samples(x):
+    """The first PLAN_SAMPLES samples of a batch-first input (all of a smaller one). 16 keeps
+    float8's rule that a matmul's rows come in multiples of 16 wherever the full batch kept it
+    (16 sequences of any length; 16 images of any token count)."""
+    return x[:PLAN_SAMPLES] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
 
 
 def label_of(name: str, labels: dict[str, str]) -> str | None:
