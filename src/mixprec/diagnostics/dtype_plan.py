@@ -134,9 +134,10 @@ class Watch:
         from mixprec.models import unwrap
 
         model = unwrap(self.learner.model)
-        x = micro_batch[0]
         compute, forward_weights = (
-            computed(model, self.learner.precision, first_samples(x)) if self.rerun else ({}, {})
+            computed(model, self.learner.precision, first_samples(micro_batch[0]))
+            if self.rerun
+            else ({}, {})
         )
         host = getattr(self.learner.optimizer, "param_d2h_map", None) or {}
         return {
