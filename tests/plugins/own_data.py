@@ -59,6 +59,30 @@ def bad_labels(n: int = 64) -> dict:
     return {"train": TensorDataset(x, y), "val": TensorDataset(x, y), "num_classes": 4}
 
 
+class Transformed(Dataset):
+    """blobs' images through a transform given as a lambda, as users often write one: fine for
+    forked loader workers, which inherit it; a forkserver's workers would need it pickled."""
+
+    def __init__(self, data: Dataset, transform) -> None:
+        self.data, self.transform = data, transform
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        x, y = self.data[i]
+        return self.transform(x), y
+
+
+def lambda_transform(scale: float = 2.0) -> dict:
+    made = blobs(n=128)
+    return {
+        "train": Transformed(made["train"], lambda x: x * scale),
+        "val": Transformed(made["val"], lambda x: x * scale),
+        "num_classes": made["num_classes"],
+    }
+
+
 def no_val() -> dict:
     x, y = torch.randn(8, 1, 8, 8), torch.zeros(8, dtype=torch.long)
     return {"train": TensorDataset(x, y), "num_classes": 2}

@@ -158,7 +158,7 @@ class EpochLoader:
             pin_memory=ctx.workers.pin_memory and ctx.device.type == "cuda",
             prefetch_factor=4 if workers else None,
             worker_init_fn=quiet_worker if workers else None,
-            multiprocessing_context=start_method() if workers else None,
+            multiprocessing_context=start_method(self.dataset, collate_fn) if workers else None,
         )
         self._iterator: Iterator | None = None  # the DataLoader iterator whose workers run now
         self._stream: Iterator | None = None  # persistent: batches of this and later epochs

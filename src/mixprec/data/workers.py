@@ -15,7 +15,9 @@ waits forever on a lock the parent held at the fork (CPython gh-112275; fixed in
 frees the finished work's tensors, which takes the GIL (seen with gdb; NCCL's threads may too).
 A worker forked at that moment never starts, and every rank waits for it: one CI run, and 1 of
 5 CPU torchrun runs of 300 steps on a loaded 2-core machine. Those workers start from a
-forkserver instead, a process without those threads (start_method).
+forkserver instead, a process without those threads (start_method). A forkserver's worker gets
+the dataset by pickling, where a forked one inherits it: a dataset that does not pickle (a lambda
+transform, an open file) is refused before any worker starts, naming hardware.num_workers.
 
 Augmentation draws from each sample's own seed, (seed, epoch, index): the same whichever worker
 serves the sample and however far that worker's RNG has run, so a run resumed part-way through
@@ -28,13 +30,18 @@ import atexit
 import logging
 import multiprocessing
 import os
+import pickle
 import random
 import signal
 import sys
 from contextlib import contextmanager
+from multiprocessing.reduction import ForkingPickler
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
+
+from mixprec.core.errors import ConfigError
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 FORK_SAFE_PYTHON = (3, 11, 10)  # CPython gh-112275 fixed (see the module's docstring)
@@ -43,14 +50,16 @@ log = logging.getLogger(__name__)
 _said: list[bool] = []
 
 
-def start_method():
+def start_method(*sent):
     """DataLoader's multiprocessing_context for workers started now: None (torch's fork), or
-    a forkserver in a process group on a Python that can hang a forked worker."""
+    a forkserver in a process group on a Python that can hang a forked worker, once what the
+    workers are sent (the dataset, the collate function) is known to pickle."""
     import torch.distributed as dist
 
     grouped = dist.is_available() and dist.is_initialized()
     if not grouped or PYTHON >= FORK_SAFE_PYTHON or sys.platform != "linux":
         return None
+    _check_sendable(sent)
     if not _said:
         _said.append(True)
         log.info(
@@ -68,6 +77,33 @@ def start_method():
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(dict.fromkeys(["mixprec.run.session", *kept])))
     return context
+
+
+class _Probe(ForkingPickler):
+    """multiprocessing's own pickler, standing in for tensors and arrays: whether the rest
+    pickles is the question, and their bytes need not be copied (or moved to shared memory, as
+    torch's reducers would) to answer it."""
+
+    def persistent_id(self, obj):
+        return id(obj) if isinstance(obj, (torch.Tensor, np.ndarray)) else None
+
+
+class _Nowhere:
+    def write(self, data) -> int:
+        return len(data)
+
+
+def _check_sendable(sent: tuple) -> None:
+    try:
+        _Probe(_Nowhere(), pickle.HIGHEST_PROTOCOL).dump(sent)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise ConfigError(
+            f"hardware.num_workers: on Python {'.'.join(map(str, PYTHON))} in a process group "
+            "(torchrun, SLURM), loader workers start from a forkserver (CPython gh-112275, fixed "
+            f"in 3.11.10), which sends each worker the dataset by pickling, and it does not "
+            f"pickle ({e}). Make it picklable (no lambdas or open files in it: open them in "
+            "__getitem__), set hardware.num_workers=0, or use Python >= 3.11.10"
+        ) from e
 
 
 def stop_workers(iterator) -> None:
