@@ -159,6 +159,10 @@ DRIVEN_ELSEWHERE = {
     "SIGTERM, SIGUSR1, SIGUSR2": (
         "test_signals.py::test_a_schedulers_signal_to_the_group_checkpoints_once"
     ),
+    "such workers' dataset": (
+        "test_own_model.py::"
+        "test_a_dataset_that_does_not_pickle_is_refused_where_workers_start_from_a_forkserver"
+    ),
     "the same under `torchrun`": (
         "test_signals.py::test_torchrun_with_workers_signalled_as_a_group_stops_every_rank_once"
     ),
