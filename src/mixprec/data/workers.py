@@ -100,7 +100,7 @@ def _check_sendable(sent: tuple) -> None:
         raise ConfigError(
             f"hardware.num_workers: on Python {'.'.join(map(str, PYTHON))} in a process group "
             "(torchrun, SLURM), loader workers start from a forkserver (CPython gh-112275, fixed "
-            f"in 3.11.10), which sends each worker the dataset by pickling, and it does not "
+            "in 3.11.10), which sends each worker the dataset by pickling, and it does not "
             f"pickle ({e}). Make it picklable (no lambdas or open files in it: open them in "
             "__getitem__), set hardware.num_workers=0, or use Python >= 3.11.10"
         ) from e
