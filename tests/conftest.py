@@ -116,14 +116,15 @@ def cfg_factory(tmp_path):
 
 @pytest.fixture
 def gloo_world_of_one(tmp_path):
-    """A torch.distributed process group of one (gloo), as DDP code needs."""
+    """A torch.distributed process group of one (gloo), as DDP code needs (a run ends it)."""
     import torch.distributed as dist
 
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
     )
     yield
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def group_options(group: str) -> list[str]:

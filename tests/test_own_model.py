@@ -263,34 +263,28 @@ def test_a_users_code_that_cannot_run_is_a_config_error_naming_the_key(tmp_path,
 
 
 def test_a_dataset_that_does_not_pickle_is_refused_where_workers_start_from_a_forkserver(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, gloo_world_of_one
 ):
     """In a process group (torchrun, SLURM) on a Python before 3.11.10, loader workers start
     from a forkserver (data/workers.py), which pickles the dataset to each of them: a dataset
     with a lambda transform is a config error naming hardware.num_workers before any worker
     starts. Finding out copies no tensor's data (torch's own reducers would move it to shared
     memory). On a fixed Python workers are forked and inherit the dataset: nothing is checked."""
-    import torch.distributed as dist
     from torch.utils.data import TensorDataset
 
     from mixprec.data import workers
 
     lambdas = [*CONV, "data.target=own_data:lambda_transform", "hardware.num_workers=2"]
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        monkeypatch.setattr(workers, "PYTHON", (3, 12, 1))
-        assert workers.start_method(lambda x: x) is None  # forked: anything goes
-        monkeypatch.setattr(workers, "PYTHON", (3, 11, 7))
-        x = torch.randn(64, 1, 8, 8)
-        picklable = TensorDataset(x, torch.zeros(64, dtype=torch.long))
-        assert workers.start_method(picklable).get_start_method() == "forkserver"
-        assert not x.is_shared()
-        with pytest.raises(ConfigError, match=r"hardware.num_workers: on Python 3.11.7 .*lambda"):
-            run.run(cfg(tmp_path, *lambdas, "trainer.max_steps=2"))  # (it ends the group)
-        assert not (tmp_path / "run" / "metrics.jsonl").exists()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    monkeypatch.setattr(workers, "PYTHON", (3, 12, 1))
+    assert workers.start_method(lambda x: x) is None  # forked: anything goes
+    monkeypatch.setattr(workers, "PYTHON", (3, 11, 7))
+    x = torch.randn(64, 1, 8, 8)
+    picklable = TensorDataset(x, torch.zeros(64, dtype=torch.long))
+    assert workers.start_method(picklable).get_start_method() == "forkserver"
+    assert not x.is_shared()
+    with pytest.raises(ConfigError, match=r"hardware.num_workers: on Python 3.11.7 .*lambda"):
+        run.run(cfg(tmp_path, *lambdas, "trainer.max_steps=2"))  # (it ends the group)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_data_target_on_a_built_in_dataset_points_to_data_custom(tmp_path):

@@ -66,7 +66,7 @@ def start_method(*sent):
             "DataLoader workers start from a forkserver, not by fork: Python %s can hang a "
             "worker forked beside torch.distributed's threads (CPython gh-112275, fixed in "
             "3.11.10)",
-            ".".join(map(str, PYTHON)),
+            _python(),
         )
     # the server imports what train.py imports once; each worker then starts in milliseconds,
     # as a forked one does (a worker that imports them itself: a 4 s CPU run took 110 s). A
@@ -88,17 +88,17 @@ class _Probe(ForkingPickler):
         return id(obj) if isinstance(obj, (torch.Tensor, np.ndarray)) else None
 
 
-class _Nowhere:
-    def write(self, data) -> int:
-        return len(data)
+def _python() -> str:
+    return ".".join(map(str, PYTHON))
 
 
 def _check_sendable(sent: tuple) -> None:
     try:
-        _Probe(_Nowhere(), pickle.HIGHEST_PROTOCOL).dump(sent)
+        with open(os.devnull, "wb") as nowhere:
+            _Probe(nowhere, pickle.HIGHEST_PROTOCOL).dump(sent)
     except (pickle.PicklingError, AttributeError, TypeError) as e:
         raise ConfigError(
-            f"hardware.num_workers: on Python {'.'.join(map(str, PYTHON))} in a process group "
+            f"hardware.num_workers: on Python {_python()} in a process group "
             "(torchrun, SLURM), loader workers start from a forkserver (CPython gh-112275, fixed "
             "in 3.11.10), which sends each worker the dataset by pickling, and it does not "
             f"pickle ({e}). Make it picklable (no lambdas or open files in it: open them in "
