@@ -127,6 +127,29 @@ def gloo_world_of_one(tmp_path):
         dist.destroy_process_group()
 
 
+SHARDED = [
+    "hardware=cpu",
+    "logger=none",
+    "trainer.log_every=2",
+    "trainer.perf_warmup_steps=0",
+    "model=llama_tiny",
+    "data=text",
+    "data.seq_len=32",
+    "data.max_mb=1",
+    "parallel=fsdp",
+    "ckpt.sharded=true",
+]
+
+
+@pytest.fixture(scope="session")
+def sharded_run(tmp_path_factory) -> Path:
+    """A run that kept a sharded (DCP) checkpoint: FSDP2 in a world of one, on the CPU."""
+    d = tmp_path_factory.mktemp("sharded") / "run"
+    p = run_train([*SHARDED, "trainer.max_steps=2", f"hydra.run.dir={d}"])
+    assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
+    return d
+
+
 def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 

@@ -23,6 +23,7 @@ from mixprec.run import session as run
 
 from conftest import (
     ROOT,
+    SHARDED,
     finish,
     last_weights,
     run_module,
@@ -282,26 +283,6 @@ def test_diagnose_names_a_missing_run_dir_and_answers_help(tmp_path):
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     helped = run_diag("--help")
     assert helped.returncode == 0 and "usage: python -m mixprec.diagnose" in helped.stdout
-
-
-SHARDED = [
-    *SMALL,
-    "model=llama_tiny",
-    "data=text",
-    "data.seq_len=32",
-    "data.max_mb=1",
-    "parallel=fsdp",
-    "ckpt.sharded=true",
-]
-
-
-@pytest.fixture(scope="module")
-def sharded_run(tmp_path_factory) -> Path:
-    """A run that kept a sharded (DCP) checkpoint: FSDP2 in a world of one, on the CPU."""
-    d = tmp_path_factory.mktemp("sharded") / "run"
-    p = run_train([*SHARDED, "trainer.max_steps=2", f"hydra.run.dir={d}"])
-    assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
-    return d
 
 
 @pytest.mark.parametrize("damage", ["shard missing", "shard truncated", "metadata garbage"])

@@ -1,7 +1,8 @@
 """Checkpoints that resume exactly and load safely.
 
 Everything saved is plain data (tensors, numbers, strings, lists, dicts), so loading uses
-torch.load(weights_only=True): a checkpoint from elsewhere cannot run code. Writes are atomic
+torch.load(weights_only=True), and a sharded checkpoint's DCP files go through the safe reader
+of checkpoint/dcp.py: a checkpoint from elsewhere cannot run code. Writes are atomic
 (files.write_atomic): a crash mid-write leaves the previous one intact. Model keys are those of
 the plain module (models.unwrap): never `module.` or `_orig_mod.`, however the run was wrapped.
 """
@@ -151,6 +152,8 @@ def leftovers(directory: Path) -> list[str]:
 def load(path: Path) -> dict[str, Any]:
     """The checkpoint's contents, or a CheckpointError naming the file and what is wrong."""
     low_bit = _allow_torchao()
+    if checkpoint_dcp.is_dcp(path):  # refused here, before a run or an export is built on it
+        checkpoint_dcp.metadata(path)
     try:
         where = path / checkpoint_dcp.META if checkpoint_dcp.is_dcp(path) else path
         blob = torch.load(where, map_location="cpu", weights_only=True)
