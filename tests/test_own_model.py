@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -452,3 +453,36 @@ def test_a_users_model_with_batch_auto_and_cuda_graphs_on_the_gpu(tmp_path):
         rows = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         losses.append([json.loads(r)["train/loss"] for r in rows if "train/loss" in r])
     assert losses[1] == pytest.approx(losses[0], rel=0.05)
+
+
+def test_a_buffer_non_finite_by_design_trains_checkpoints_and_resumes(tmp_path):
+    """An additive causal mask (-inf) is the model's design: checkpoints are written, the run
+    completes (it was refused every checkpoint and ended as diverged, exit 3)."""
+    masked = [*LM, "model.target=own_models:MaskedLM", "batch=8", "ckpt.every_steps=2"]
+    s = run.run(cfg(tmp_path, *masked, "trainer.max_steps=4", name="m"))
+    assert s["status"] == "completed" and math.isfinite(s["val_loss"]), s
+    ckpts = sorted(p.name for p in (tmp_path / "m" / "checkpoints").glob("step_*.pt"))
+    assert ckpts[-1] == "step_00000004.pt", ckpts
+    assert torch.isinf(last_weights(tmp_path / "m")["mask"]).sum() == 15 * 16 // 2
+    s = run.run(cfg(tmp_path, *masked, "trainer.max_steps=6", "resume=auto", name="m"))
+    assert s["status"] == "completed" and s["steps"] == 6
+
+
+def test_the_guard_leaves_out_only_what_was_non_finite_before_training():
+    from own_models import MaskedLM
+
+    from mixprec.train.safety import DivergenceGuard
+
+    model = MaskedLM(vocab_size=8, max_seq_len=4)
+    model.register_buffer("stat", torch.ones(3))
+    guard = DivergenceGuard(torch.device("cpu"), 3, 1.0, model=model)
+    assert guard.healthy(model)
+    model.mask[3, 0] = float("nan")  # below the diagonal: a value the mask had finite
+    assert not guard.healthy(model)
+    model.mask[3, 0] = 0.0
+    model.stat[1] = float("inf")
+    assert not guard.healthy(model)
+    model.stat[1] = 1.0
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    assert not guard.healthy(model)

@@ -103,3 +103,25 @@ class FiveWay(TinyConvNet):
 
     def __init__(self, in_chans: int) -> None:
         super().__init__(5, in_chans)
+
+
+class MaskedLM(TinyLM):
+    """TinyLM whose attention adds a registered causal mask (-inf above the diagonal), as many
+    GPT implementations do: a float buffer that is non-finite by design."""
+
+    def __init__(self, vocab_size: int, max_seq_len: int, dim: int = 32, depth: int = 1) -> None:
+        super().__init__(vocab_size, max_seq_len, dim, depth)
+        mask = torch.full((max_seq_len, max_seq_len), float("-inf")).triu(1)
+        self.register_buffer("mask", mask)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        x = self.embed(tokens) + self.pos[:t]
+        for layer in self.layers:
+            b, _, d = x.shape
+            qkv = layer.qkv(layer.norm1(x)).view(b, t, 3, layer.heads, -1).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[:t, :t])
+            x = x + layer.proj(att.transpose(1, 2).reshape(b, t, d))
+            x = x + layer.mlp(layer.norm2(x))
+        return self.lm_head(self.norm(x))

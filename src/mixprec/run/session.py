@@ -42,7 +42,7 @@ from mixprec.run.config import validate
 from mixprec.sinks import describe
 from mixprec.sinks.tracking import Tracker
 from mixprec.train import batch_size, loop, perf
-from mixprec.train.ledger import Hooks, model_tensors
+from mixprec.train.ledger import Hooks
 from mixprec.train.safety import DivergenceGuard, StopSignals, signals_held
 
 log = logging.getLogger("mixprec")
@@ -291,6 +291,7 @@ class Session:
             c.debug.min_loss_scale,
             reduce=p.dist.reduce,
             advice=p.learner.precision.on_divergence(),
+            model=p.learner.model,
         )
         hardware.reset_peak(p.device)
         stop = StopSignals(c.trainer.stop_grace_s, on_forced=self._forced)
@@ -336,7 +337,7 @@ class Session:
         steps (between two checks) is a failure, not a result."""
         learner, state = self.p.learner, self.state
         loss_ok = state.last_loss is None or math.isfinite(state.last_loss)
-        if not (loss_ok and hooks.guard.healthy(model_tensors(learner.model))):
+        if not (loss_ok and hooks.guard.healthy(learner.model)):
             why = messages.diverged(state.step, learner.precision.on_divergence())
             raise Diverged(why + hooks.doctor.on_divergence(state.step))
         if self.p.config.ckpt.at_end:

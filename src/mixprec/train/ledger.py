@@ -17,7 +17,6 @@ from mixprec.diagnostics.doctor import Doctor
 from mixprec.diagnostics.dtype_plan import Watch
 from mixprec.diagnostics.numerics import Numerics
 from mixprec.parallel.distributed import Dist
-from mixprec.parallel.sharding import local
 from mixprec.sinks.tracking import Tracker
 from mixprec.train.perf import Throughput
 from mixprec.train.safety import DivergenceGuard, StopSignals
@@ -321,7 +320,7 @@ class StepLedger:
 def save_if_healthy(save: Callable, state, guard: DivergenceGuard, model) -> bool:
     """Checkpoint only finite weights, float buffers (BatchNorm statistics) and loss: never
     overwrite the last good checkpoint. Returns whether it saved."""
-    if guard.healthy(model_tensors(model)):
+    if guard.healthy(model):
         save(state)
         return True
     log.warning(
@@ -330,10 +329,3 @@ def save_if_healthy(save: Callable, state, guard: DivergenceGuard, model) -> boo
         state.step,
     )
     return False
-
-
-def model_tensors(model) -> list[torch.Tensor]:
-    """Weights and float buffers (a sharded model's: this rank's shards; guard.healthy reduces
-    its verdict over the ranks)."""
-    params = [local(p) for p in model.parameters()]
-    return [*params, *(b for b in model.buffers() if b.is_floating_point())]

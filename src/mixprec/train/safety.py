@@ -19,6 +19,7 @@ import torch
 from omegaconf import MISSING
 
 from mixprec.core.errors import Diverged, check, one_of
+from mixprec.parallel.sharding import local
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,30 @@ class DebugConfig:
         check(self.min_loss_scale > 0, "debug.min_loss_scale", self.min_loss_scale, "> 0")
 
 
+def by_design(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{buffer name: where it is non-finite} for the float buffers that are non-finite before
+    training: an additive causal mask's -inf is the model's design, not a divergence. Taken
+    once, when the guard is made (after a resume: a checkpoint only ever holds healthy ones)."""
+    return {
+        name: ~torch.isfinite(b)
+        for name, b in model.named_buffers()
+        if b.is_floating_point() and not bool(torch.isfinite(b).all())
+    }
+
+
+def watched(model: torch.nn.Module, design: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Weights and float buffers whose non-finite values mean divergence (a sharded model's:
+    this rank's shards; healthy() reduces its verdict over the ranks); a buffer's positions
+    that were non-finite by design count as 0, so a NaN anywhere else still counts."""
+    params = [local(p) for p in model.parameters()]
+    buffers = [
+        torch.where(design[name], 0, b) if name in design else b
+        for name, b in model.named_buffers()
+        if b.is_floating_point()
+    ]
+    return [*params, *buffers]
+
+
 class DivergenceGuard:
     """Counts consecutive steps whose loss is non-finite, on the device (no sync per step).
 
@@ -56,19 +81,21 @@ class DivergenceGuard:
         min_scale: float,
         reduce=lambda t, op="max": t,
         advice: str = "a lower optimizer.lr or trainer.clip_grad_norm=1.0",
+        model: torch.nn.Module | None = None,
     ) -> None:
         self.bad = torch.zeros((), dtype=torch.int64, device=device)
         self.max_bad_steps, self.min_scale, self.advice = max_bad_steps, min_scale, advice
         self.reduce = reduce  # DDP: every rank decides on the worst rank's count
+        self.design = by_design(model) if model is not None else {}
 
     def update(self, loss: torch.Tensor) -> None:
         self.bad = torch.where(torch.isfinite(loss), 0, self.bad + 1)
 
-    def healthy(self, tensors: list[torch.Tensor]) -> bool:
-        """The latest loss and every given tensor (weights, float buffers) are finite (one
-        sync): only then write a checkpoint. The loss is computed before the update, so the
-        weights are checked too."""
-        norms = torch._foreach_norm([t.detach() for t in tensors])
+    def healthy(self, model: torch.nn.Module) -> bool:
+        """The latest loss, every weight and every float buffer are finite (one sync): only then
+        write a checkpoint. The loss is computed before the update, so the weights are checked
+        too. What a buffer held non-finite before training (`self.design`) is left out."""
+        norms = torch._foreach_norm([t.detach() for t in watched(model, self.design)])
         bad = self.bad + (~torch.isfinite(torch.stack(norms)).all()).long()
         return int(self.reduce(bad, "max")) == 0
 
