@@ -67,7 +67,13 @@ def test_a_checkpoint_that_fills_the_disk_fails_clearly_and_resumes(small_disk, 
 
 
 @pytest.mark.slow
-def test_metrics_on_a_full_disk_stop_the_run_with_one_message(small_disk):
+@pytest.mark.parametrize(
+    "extra,full",
+    [([], "metrics.jsonl"), (["precision=amp", "debug.numerics=true"], "numerics.jsonl")],
+)
+def test_metrics_on_a_full_disk_stop_the_run_with_one_message(small_disk, extra, full):
+    """The rows of metrics.jsonl, or of numerics.jsonl (a probe's rows are the larger: it
+    fills first), meet the full disk: exit 8 naming the file (numerics: a traceback, exit 1)."""
     run_dir = small_disk / "run"
     fill(small_disk, 45_000)  # the run's small files fit; the metrics rows soon do not
     p = run_train(
@@ -76,13 +82,14 @@ def test_metrics_on_a_full_disk_stop_the_run_with_one_message(small_disk):
             "trainer.max_steps=300",
             "trainer.log_every=1",
             "ckpt.every_steps=1000",
+            *extra,
             f"hydra.run.dir={run_dir}",
         ]
     )
     out = p.stdout + p.stderr
     assert p.returncode == 8, out[-2000:]
     assert "Traceback" not in out and "--- Logging error ---" not in out
-    assert "disk full: no space left to write" in out
+    assert "disk full: no space left to write" in out and full in out
     assert "failed in" in p.stdout.strip().splitlines()[-1]  # the final line still comes
 
 

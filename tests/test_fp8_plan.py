@@ -18,7 +18,7 @@ from mixprec.core.errors import MixprecError
 from mixprec.precision import base as precision
 from mixprec.precision import fp8_early, fp8_plan, fp8_timing
 from mixprec.precision.fp8_plan import BF16, Gemm, choose
-from mixprec.run import build
+from mixprec.run import build, rundir
 from mixprec.run.config import validate
 
 from conftest import compose_cfg, group
@@ -480,7 +480,7 @@ def test_a_run_dir_plan_is_found_for_a_resume(tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "checkpoints" / "last.pt").write_bytes(b"x")
-    (run_dir / build.PLAN_FILE).write_text(json.dumps({"wide1": {"choice": "tensorwise"}}))
+    (run_dir / rundir.PLAN_FILE).write_text(json.dumps({"wide1": {"choice": "tensorwise"}}))
     c = validate(compose_cfg(["precision=fp8_auto", "resume=auto"], run_dir))
     assert build.saved_plan(c) == {"wide1": {"choice": "tensorwise"}}
     fresh = validate(compose_cfg(["precision=fp8_auto"], run_dir))

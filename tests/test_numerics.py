@@ -173,3 +173,80 @@ def test_numerics_off_runs_no_extra_kernel(tmp_path):
     on = ops_of_a_loop("on", tmp_path)
     assert off == absent < on
     assert len((tmp_path / "numerics.jsonl").read_text().splitlines()) == 2 * 2 * 3  # 2 probes
+
+
+def numerics_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "numerics.jsonl").read_text().splitlines()]
+
+
+def probed(rows: list[dict]) -> list[tuple]:
+    return sorted((r["step"], r["layer"], r["tensor"]) for r in rows)
+
+
+KILLED = [
+    "hardware=cpu",
+    "logger=none",
+    "precision=amp",
+    "debug.numerics=true",
+    "trainer.log_every=2",
+    "trainer.perf_warmup_steps=0",
+    "ckpt.every_steps=10",
+]
+
+
+@pytest.mark.slow
+def test_numerics_rows_follow_the_metrics_rules_after_sigkill_a_torn_line_and_overwrite(tmp_path):
+    """numerics.jsonl was appended to as it was: after SIGKILL to the process group and
+    resume=auto its rows past the checkpoint came twice, a resumed row was glued onto a line a
+    full disk tore, and overwrite=true kept the previous run's rows."""
+    import os
+    import signal
+    import time
+
+    from conftest import finish, run_train, start_train
+
+    d = tmp_path / "run"
+    proc = start_train([*KILLED, "trainer.max_steps=400", f"hydra.run.dir={d}"])
+    deadline = time.time() + 180
+    while time.time() < deadline:  # a checkpoint, and rows logged past it
+        ckpts = list((d / "checkpoints").glob("step_*.pt"))
+        rows = numerics_rows(d)[:-1] if (d / "numerics.jsonl").exists() else []
+        if ckpts and rows and max(r["step"] for r in rows) > 10 + 2:
+            break
+        assert proc.poll() is None, finish(proc, 10)
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    finish(proc, 30)
+    with (d / "numerics.jsonl").open("a") as f:
+        f.write('{"step": 7, "layer": "fea')  # a line torn by a full disk
+    done = run_train([*KILLED, "trainer.max_steps=24", "resume=auto", f"hydra.run.dir={d}"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = numerics_rows(d)  # every line is whole JSON
+    assert len(probed(rows)) == len(set(probed(rows))), "a probed step came twice"
+    assert sorted({r["step"] for r in rows}) == list(range(2, 25, 2))
+    steps = [json.loads(x)["step"] for x in (d / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) == 24
+
+    again = run_train(
+        [
+            "hardware=cpu",
+            "logger=none",
+            "trainer.max_steps=2",
+            "overwrite=true",
+            f"hydra.run.dir={d}",
+        ]
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert not (d / "numerics.jsonl").exists(), "overwrite=true kept the previous run's numerics"
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_its_numerics_over(cfg_factory):
+    cfg = cfg_factory(*RUN, "debug.numerics=true")
+    d = Path(cfg.run_dir)
+    d.mkdir(parents=True)
+    left = {"step": 2, "layer": "features.0", "tensor": "input", "format": "float16"}
+    (d / "numerics.jsonl").write_text(json.dumps(left) + "\n")  # what the killed run logged
+    run.run(cfg_factory(*RUN, "debug.numerics=true", "resume=auto", f"run_dir={d}"))
+    rows = numerics_rows(d)
+    assert len(probed(rows)) == len(set(probed(rows)))
+    assert sorted({r["step"] for r in rows}) == [2, 4]

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mixprec.core import files
 from mixprec.diagnostics.replay import MATMULS, untouched
 
 log = logging.getLogger(__name__)
@@ -231,9 +232,8 @@ class Numerics:
         rows = probe(self.learner, micro_batches[0], self.learner.precision.loss_scale())
         if not rows:
             return
-        with self.path.open("a") as f:
-            for r in rows:
-                f.write(json.dumps({"step": step, **r}) + "\n")
+        with files.space_checked(self.path), self.path.open("a") as f:  # a full disk: exit 8
+            f.write("".join(json.dumps({"step": step, **r}) + "\n" for r in rows))
         curves = {}
         for r in rows:
             key = f"numerics/{r['layer']}/{r['tensor']}"

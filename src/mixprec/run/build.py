@@ -26,7 +26,7 @@ from mixprec.optim import states as optim_states
 from mixprec.parallel import distributed, sharding, strategy
 from mixprec.precision import base as precision
 from mixprec.precision import fp8_early, fp32_layers
-from mixprec.run import config
+from mixprec.run import config, rundir
 from mixprec.run import layout as layouts
 from mixprec.run.config import TrainConfig
 from mixprec.train import loop, perf
@@ -259,9 +259,6 @@ def probes(c: TrainConfig, device: torch.device) -> tuple:
     return new_learner, inputs
 
 
-PLAN_FILE = "precision_plan.json"  # a run dir's precision plan (Precision.plan(): fp8_auto's)
-
-
 def saved_plan(c: TrainConfig) -> dict | None:
     """The precision plan of the run this one resumes: precision_plan.json in the run dir of
     the checkpoint it continues (None: a new run, or that run kept none)."""
@@ -273,7 +270,7 @@ def saved_plan(c: TrainConfig) -> dict | None:
         return None  # the resume itself says what is wrong, later
     if found is None:
         return None
-    path = found.parent.parent / PLAN_FILE  # <run dir>/checkpoints/last.pt
+    path = found.parent.parent / rundir.PLAN_FILE  # <run dir>/checkpoints/last.pt
     try:
         return json.loads(path.read_text()) if path.is_file() else None
     except (OSError, ValueError):

@@ -28,13 +28,34 @@ log = logging.getLogger(__name__)
 # what marks a mixprec run (last.dcp: ckpt.sharded's checkpoints)
 RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints/last.pt", "checkpoints/last.dcp")
 DIAGNOSE_FILES = ("diagnose.md", "diagnose.json", "loss_scale.png")
+PLAN_FILE = "precision_plan.json"  # a run dir's precision plan (Precision.plan(): fp8_auto's)
+# what a run appends to row by row, each row with its step: a resume of the run's own checkpoint
+# keeps the rows up to its step (a killed run logged past it), a run that starts over none
+APPENDED = ("metrics.jsonl", "numerics.jsonl")
 
 
 def made_by_a_run() -> tuple[str, ...]:
     """What a run may leave in its run dir: checkpoints, every sink's files, diagnostics."""
     from mixprec import sinks
 
-    return ("checkpoints", *sinks.run_files(), *DIAGNOSE_FILES)
+    return ("checkpoints", *sinks.run_files(), *APPENDED, PLAN_FILE, *DIAGNOSE_FILES)
+
+
+def continue_appended(run_dir: Path, step: int, evaluated: bool) -> None:
+    """A resume of this run dir's own checkpoint at `step`: each appended file keeps its rows
+    up to the step (and a torn last line goes), so the resumed rows follow on whole."""
+    from mixprec.sinks.local import drop_rows_after
+
+    for name in APPENDED:
+        if (run_dir / name).exists():
+            drop_rows_after(run_dir / name, step, evaluated)
+
+
+def restart_appended(run_dir: Path) -> None:
+    """A run that starts over in its own dir (resume=auto before its first checkpoint): its
+    appended rows and its summary start over too."""
+    for name in (*APPENDED, "summary.json"):
+        (run_dir / name).unlink(missing_ok=True)
 
 
 class RunDirLock:

@@ -196,8 +196,8 @@ class Session:
             log.info(
                 "resume=auto: no checkpoint in %s yet; starting from scratch", self.ckpt.parent
             )
-            for name in ("metrics.jsonl", "summary.json"):  # a run killed before its first
-                (p.run_dir / name).unlink(missing_ok=True)  # checkpoint: its rows start over
+            if p.dist.main:  # a run killed before its first checkpoint: its rows start over
+                rundir.restart_appended(p.run_dir)
         if found is None:
             return None
         self.found, blob = found, checkpoint.load(found)
@@ -214,6 +214,9 @@ class Session:
         if self._continues_own_run():  # a run from another run's checkpoint is a new run
             self.state_at_resume = self.state.elapsed_s
             self.train_s_at_resume = self.state.train_s
+            if p.dist.main:
+                evaluated = self.state.val_step == self.state.step
+                rundir.continue_appended(p.run_dir, self.state.step, evaluated)
         log.info(
             "resumed from %s at step %d (epoch %d, micro-batch %d)",
             found,
@@ -322,7 +325,7 @@ class Session:
         resume from this run dir keeps it (build.saved_plan)."""
         plan = self.p.learner.precision.plan()
         if plan is not None and self.p.dist.main:
-            files.write_json(self.p.run_dir / build.PLAN_FILE, plan)
+            files.write_json(self.p.run_dir / rundir.PLAN_FILE, plan)
 
     def _save(self, state: loop.TrainState) -> None:
         state.elapsed_s = self.wall_s  # a resumed run's wall_s counts the earlier parts too

@@ -84,11 +84,8 @@ class Sink:
     def __init__(self, ctx) -> None:
         self.run_dir = ctx.run_dir
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
-        path = ctx.run_dir / "metrics.jsonl"
-        if ctx.resume_step is not None and path.exists():
-            # a killed run logged past its checkpoint
-            drop_rows_after(path, ctx.resume_step, ctx.resume_evaluated)
-        self.metrics = open(path, "a", buffering=1)
+        # (a resume trims the rows a killed run logged past its checkpoint first: run/rundir.py)
+        self.metrics = open(ctx.run_dir / "metrics.jsonl", "a", buffering=1)
 
     def log(self, row: dict[str, Any]) -> None:
         with files.space_checked(Path(self.metrics.name)):
