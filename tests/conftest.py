@@ -150,6 +150,53 @@ def sharded_run(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.fixture
+def read_only():
+    """read_only(path): `path` (a folder, made if missing, or a file) becomes a read-only bind
+    mount of itself, as a read-only filesystem is (a file: it cannot be written or replaced);
+    undone at the test's end. Skips where mounts are not allowed."""
+    mounted = []
+
+    def make(path: Path) -> Path:
+        if not path.is_file():
+            path.mkdir(parents=True, exist_ok=True)
+        for cmd in (["mount", "--bind", path, path], ["mount", "-o", "remount,bind,ro", path]):
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            if p.returncode:
+                pytest.skip(f"a read-only mount needs root and mount(8): {p.stderr.strip()}")
+            if cmd[1] == "--bind":
+                mounted.append(path)
+        return path
+
+    yield make
+    for path in reversed(mounted):
+        subprocess.run(["umount", path], capture_output=True)
+
+
+SIZE = 2 * 2**20  # small_disk's tmpfs; a digits checkpoint is about 0.37 MB
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    p = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={SIZE}", "tmpfs", str(mnt)], capture_output=True
+    )
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {p.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)])
+
+
+def fill(disk: Path, leave: int) -> Path:
+    """A file that leaves about `leave` bytes free on `disk`."""
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    filler = disk / "filler"
+    filler.write_bytes(b"\0" * (free - leave))
+    return filler
+
+
 def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 

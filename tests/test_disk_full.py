@@ -4,38 +4,11 @@ the last good checkpoint kept, no temp files left, and the resume after freeing 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import run_train
-
-SIZE = 2 * 2**20  # the tmpfs; a digits checkpoint is about 0.37 MB
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    p = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={SIZE}", "tmpfs", str(mnt)], capture_output=True
-    )
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {p.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)])
-
-
-def fill(disk: Path, leave: int) -> Path:
-    """A file that leaves about `leave` bytes free on `disk`."""
-    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
-    filler = disk / "filler"
-    filler.write_bytes(b"\0" * (free - leave))
-    return filler
-
+from conftest import fill, run_train
 
 ARGS = ["logger=none", "trainer.max_steps=40", "ckpt.every_steps=10", "trainer.log_every=10"]
 

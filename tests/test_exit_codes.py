@@ -215,6 +215,19 @@ DRIVEN_ELSEWHERE = {
     "a rank stopped by torchrun as it records its failure": (
         "test_hostile.py::test_a_rank_stopped_as_it_records_its_failure_still_records_it"
     ),
+    "the disk fills, or a file cannot be replaced, while the study": (
+        "test_report_hostile.py::"
+        "test_a_full_disk_keeps_the_previous_study_and_report_whole_and_names_the_file"
+    ),
+    "a job of a multirun raises": (
+        "test_report_hostile.py::test_a_job_that_raises_leaves_the_others_the_study_and_the_plots"
+    ),
+    "Ctrl-C while a sweep writes its study": (
+        "test_report_hostile.py::test_ctrl_c_while_the_sweep_writes_its_study_is_one_line_and_exit_130"
+    ),
+    "`python -m mixprec.study` with `--budget`": (
+        "test_report_hostile.py::test_the_study_refuses_a_bad_flag_naming_it"
+    ),
     "a model or data callable of yours": (
         "test_own_model.py::test_a_target_that_cannot_be_imported_exits_2_through_train_py"
     ),

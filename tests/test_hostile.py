@@ -314,27 +314,6 @@ def test_a_damaged_sharded_checkpoint_is_exit_5_naming_it_at_resume_and_export(
     assert "step_00000002.dcp" in last
 
 
-@pytest.fixture
-def read_only():
-    """read_only(path): `path` (a folder) becomes a read-only bind mount of itself, as a
-    read-only filesystem is; undone at the test's end. Skips where mounts are not allowed."""
-    mounted = []
-
-    def make(path: Path) -> Path:
-        path.mkdir(parents=True, exist_ok=True)
-        for cmd in (["mount", "--bind", path, path], ["mount", "-o", "remount,bind,ro", path]):
-            p = subprocess.run(cmd, capture_output=True, text=True)
-            if p.returncode:
-                pytest.skip(f"a read-only mount needs root and mount(8): {p.stderr.strip()}")
-            if cmd[1] == "--bind":
-                mounted.append(path)
-        return path
-
-    yield make
-    for path in reversed(mounted):
-        subprocess.run(["umount", path], capture_output=True)
-
-
 def one_line(p: subprocess.CompletedProcess) -> str:
     out = p.stdout + p.stderr
     assert "Traceback" not in out, out[-3000:]

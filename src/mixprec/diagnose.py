@@ -39,7 +39,22 @@ def shown_run(run_dir: Path) -> str:
         "## precision doctor",
         "",
     ]
-    return "\n".join(lines + _doctor(s.get("doctor") or []) + _numerics(run_dir) + _plan(s))
+    doctor = _shown("doctor findings", lambda: _doctor(s.get("doctor") or []))
+    plan = _shown("dtype plan", lambda: _plan(s))
+    return "\n".join(lines + doctor + _numerics(run_dir) + plan)
+
+
+def _shown(what: str, lines) -> list[str]:
+    """A section of summary.json as lines; one that an older or a partial summary holds in
+    another shape is said so, not a traceback."""
+    try:
+        return lines()
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        return [
+            "",
+            f"The {what} in summary.json cannot be shown: it is partial or from another "
+            f"mixprec version ({type(e).__name__}: {str(e)[:120]}).",
+        ]
 
 
 def _numerics(run_dir: Path) -> list[str]:

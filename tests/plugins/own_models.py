@@ -125,3 +125,18 @@ class MaskedLM(TinyLM):
             x = x + layer.proj(att.transpose(1, 2).reshape(b, t, d))
             x = x + layer.mlp(layer.norm2(x))
         return self.lm_head(self.norm(x))
+
+
+class CrashingLM(TinyLM):
+    """TinyLM that raises at its third training forward when built under seed 1: a bug in
+    one job of a sweep (the others, the study and the report must still come)."""
+
+    def __init__(self, vocab_size: int, max_seq_len: int) -> None:
+        super().__init__(vocab_size, max_seq_len, dim=16, depth=1)
+        self.crash, self.calls = torch.initial_seed() == 1, 0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls += self.training
+        if self.crash and self.calls == 3:
+            raise RuntimeError("a bug in the user's model")
+        return super().forward(tokens)

@@ -15,6 +15,7 @@ import errno
 import json
 import math
 import os
+import shutil
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,27 +31,69 @@ NEARLY_FULL = 1 << 20  # bytes: torch.save reports a full disk as a RuntimeError
 def write_atomic(path: Path, write: Callable[[IO[bytes]], Any] | bytes | str) -> Path:
     """Replace `path` with what `write(f)` writes into a binary file (or with the given bytes or
     text), atomically and durably."""
+    write_together({path: write})
+    return path
+
+
+def write_together(outputs: dict[Path, Callable[[IO[bytes]], Any] | bytes | str]) -> None:
+    """write_atomic for files that belong together (study.md, study.json and study.png): every
+    one is written whole to a temp file first, then all are renamed; a rename that fails (a
+    file that cannot be replaced) puts back the ones already renamed, from hard links kept of
+    them. A full disk or a refused write leaves the old set as it was, never a new file beside
+    an old one; the error names the file."""
+    pid = os.getpid()
+    temps = {path: path.with_name(f".{path.name}.{pid}.tmp") for path in outputs}
+    olds = {path: path.with_name(f".{path.name}.old.{pid}.tmp") for path in outputs}
+    path = next(iter(outputs))
+    renamed: list[Path] = []
+    try:
+        for path, write in outputs.items():
+            _write_whole(temps[path], write)
+        for path in outputs if len(outputs) > 1 else ():  # one file: its rename is the switch
+            if path.is_file():
+                _keep(path, olds[path])
+        for path in outputs:
+            os.replace(temps[path], path)
+            renamed.append(path)
+    except BaseException as e:
+        full = isinstance(e, Exception) and disk_full(e, path.parent)  # before the temps go
+        for done in renamed:  # the old set back
+            with contextlib.suppress(OSError):
+                if olds[done].exists():
+                    os.replace(olds[done], done)
+                else:
+                    done.unlink()
+        for leftover in [*temps.values(), *olds.values()]:
+            with contextlib.suppress(OSError):  # a read-only filesystem refuses even this
+                leftover.unlink(missing_ok=True)
+        if full:
+            raise no_space(path) from None
+        if denied(e) or (isinstance(e, OSError) and e.errno == errno.EBUSY):
+            raise not_writable(path, e) from None
+        raise
+    for old in olds.values():
+        old.unlink(missing_ok=True)
+    for directory in {p.parent for p in outputs}:
+        sync_dir(directory)
+
+
+def _keep(path: Path, old: Path) -> None:
+    """A copy of `path` to put back: a hard link, or a real copy where links are refused."""
+    old.unlink(missing_ok=True)
+    try:
+        os.link(path, old)
+    except OSError:
+        shutil.copy2(path, old)
+
+
+def _write_whole(tmp: Path, write: Callable[[IO[bytes]], Any] | bytes | str) -> None:
     if isinstance(write, (bytes, str)):
         data = write.encode() if isinstance(write, str) else write
         write = lambda f: f.write(data)  # noqa: E731
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        full = isinstance(e, Exception) and disk_full(e, path.parent)  # before the temp goes
-        with contextlib.suppress(OSError):  # a read-only filesystem refuses even this
-            tmp.unlink(missing_ok=True)
-        if full:
-            raise no_space(path) from None
-        if denied(e):
-            raise not_writable(path, e) from None
-        raise
-    sync_dir(path.parent)
-    return path
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 @contextmanager
@@ -72,8 +115,14 @@ def cli_errors(out: Path) -> Iterator[None]:
     """A command line tool's writes into `out`: a full disk or a folder it cannot write is one
     line and its exit code (8, 9), as any MixprecError is, not a traceback."""
     try:
-        with space_checked(out / "_"):
+        try:
             yield
+        except OSError as e:  # a write not through write_atomic: the folder is what it names
+            if disk_full(e, out):
+                raise no_space(out) from None
+            if denied(e):
+                raise not_writable(out, e) from None
+            raise
     except MixprecError as e:
         print(f"{e.label}: {e}", file=sys.stderr)
         raise SystemExit(e.exit_code) from None

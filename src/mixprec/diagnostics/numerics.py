@@ -249,9 +249,27 @@ class Numerics:
         log.info("numerics at step %d, the worst layers:\n%s", step, table(worst(rows, 5)))
 
 
+TEXT = ("layer", "type", "format", "tensor")
+NUMBERS = ("amax", "underflow", "subnormal", "saturated")
+
+
 def read(run_dir: Path) -> list[dict]:
-    """numerics.jsonl's rows (empty when the run did not measure them; a torn line skipped)."""
+    """numerics.jsonl's probe rows (empty when the run did not measure them); a torn line, or a
+    row without a probe's keys (an older or partial file), is skipped with a warning."""
     from mixprec.sinks.local import read_jsonl
 
     path = Path(run_dir) / "numerics.jsonl"
-    return read_jsonl(path) if path.exists() else []
+    rows = read_jsonl(path) if path.exists() else []
+    whole = [r for r in rows if _probe_row(r)]
+    if len(whole) < len(rows):
+        log.warning("%s: %d rows are not probe rows; skipped", path, len(rows) - len(whole))
+    return whole
+
+
+def _probe_row(r: dict) -> bool:
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    return (
+        all(isinstance(r.get(k), str) for k in TEXT)
+        and all(number(r.get(k)) for k in NUMBERS)
+        and (r.get("sqnr_db") is None or number(r.get("sqnr_db")))
+    )

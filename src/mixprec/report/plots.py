@@ -6,10 +6,12 @@ report_memory.png (each peak as a stacked bar of its parts)."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
 
+from mixprec.core import files
 from mixprec.sinks.local import number as _num
 
 COLOURS = {
@@ -40,6 +42,21 @@ def _bars(ax, runs: list[dict], key: str, title: str, spread: str | None) -> Non
     ax.invert_yaxis()
 
 
+def png(fig) -> bytes:
+    """The figure as PNG bytes (and closed)."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def save(fig, path: Path) -> Path:
+    """The figure into `path`, whole or not at all (a full disk keeps the previous image)."""
+    return files.write_atomic(path, png(fig))
+
+
 def draw(runs: list[dict], out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -64,9 +81,7 @@ def draw(runs: list[dict], out_dir: Path) -> list[Path]:
         handles.append(Patch(facecolor="white", edgecolor="tab:red", hatch="//", label="failed"))
     axes[1].legend(handles=handles, fontsize=8, loc="lower right")
     fig.tight_layout()
-    paths.append(out_dir / "report_bars.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save(fig, out_dir / "report_bars.png"))
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     for ax, key, title in (
@@ -93,9 +108,7 @@ def draw(runs: list[dict], out_dir: Path) -> list[Path]:
         else:
             ax.text(0.5, 0.5, "no run logged one", ha="center", transform=ax.transAxes)
     fig.tight_layout()
-    paths.append(out_dir / "report_curves.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save(fig, out_dir / "report_curves.png"))
     measured = [r for r in runs if (r.get("memory_breakdown") or {}).get("peak") is not None]
     if measured:  # debug.memory: the peak's parts, a stacked bar per run
         paths.append(memory_plot(measured, out_dir / "report_memory.png"))
@@ -144,9 +157,7 @@ def memory_plot(runs: list[dict], path: Path) -> Path:
     ax.invert_yaxis()
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def loss_scale_plot(run_dir: Path) -> Path | None:
@@ -164,13 +175,10 @@ def loss_scale_plot(run_dir: Path) -> Path | None:
     ax.set_yscale("log", base=2)
     ax.set(title="loss scale", xlabel="optimizer step")
     fig.tight_layout()
-    path = run_dir / "loss_scale.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, run_dir / "loss_scale.png")
 
 
-def study_plot(result: dict, path: Path) -> Path:
+def study_plot(result: dict) -> bytes:
     """The time-to-quality study (study.py): val loss against training seconds and against
     steps, the mean of each precision over its seeds with their range as a band, the target as
     a dashed line, each seed's fitted curve dotted (smooth=power); and each precision's seconds
@@ -222,9 +230,7 @@ def study_plot(result: dict, path: Path) -> Path:
         ax.legend(fontsize=8)
     _time_to_target(axes[2], result)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return png(fig)
 
 
 def _time_to_target(ax, result: dict) -> None:
@@ -236,8 +242,10 @@ def _time_to_target(ax, result: dict) -> None:
     ref = next((r.seconds_to[0] for r in rows if r.precision == result["reference"]), None)
     # the reference: its seeds' std; the others: the speedup's interval as seconds (the
     # reference's mean time over the interval's bounds)
+    # (the bar is the mean time, the interval is on the geometric-mean speedup: with a tight
+    # interval the two can disagree by more than its width, and an error bar is never negative)
     err = [
-        [m - ref / r.interval[1], ref / r.interval[0] - m]
+        [max(0.0, m - ref / r.interval[1]), max(0.0, ref / r.interval[0] - m)]
         if r.interval and ref
         else [r.seconds_to[1], r.seconds_to[1]]
         for r, m in zip(rows, means)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import logging
 import time
@@ -124,9 +125,14 @@ def _fmt(v: Any) -> str:
 
 
 def _cell(v: Any) -> str:
-    """A markdown table cell: a `|` would end the cell, HTML would render."""
+    return escape(_fmt(v))
+
+
+def escape(text: Any) -> str:
+    """Text from a run (its name, precision, error) inside a markdown table or list: a `|`
+    would end the cell, HTML would render, a newline would end the row."""
     return (
-        _fmt(v)
+        str(text)
         .replace("&", "&amp;")
         .replace("<", "&lt;")
         .replace(">", "&gt;")
@@ -189,7 +195,7 @@ def memory_table(runs: list[dict]) -> str:
     for r in rows:
         b = r["memory_breakdown"]
         cells = [f"{_num(b.get(k)) or 0.0:.2f}" for k in ("peak", *PARTS, "reserve")]
-        text += f"| {r['run']} | " + " | ".join(cells) + f" | {b.get('phase')} |\n"
+        text += f"| {escape(r['run'])} | " + " | ".join(cells) + f" | {escape(b.get('phase'))} |\n"
     return text
 
 
@@ -217,7 +223,7 @@ def write(
             "|---|---|---|---|\n"
         )
         text += "".join(
-            f"| {g['config']} | {g['n']} | "
+            f"| {escape(g['config'])} | {g['n']} | "
             + " | ".join(
                 f"{g[k][0]:.4f} ± {g[k][1]:.4f}" if g[k] else "-"
                 for k in ("val_acc1", "samples_per_s")
@@ -229,27 +235,31 @@ def write(
     studied = out_dir / "study.json"
     if studied.exists():  # a time-to-quality study of this sweep (study.py): its answer first
         text = (out_dir / "study.md").read_text() + "\n" + text
-    (out_dir / "report.md").write_text(text)
-    with open(out_dir / "report.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(table)
-    files = [out_dir / "report.md", out_dir / "report.csv", *(draw(runs, out_dir) if plots else [])]
+    sheet = io.StringIO(newline="")
+    w = csv.DictWriter(sheet, fieldnames=COLUMNS)
+    w.writeheader()
+    w.writerows(table)
+    files.write_together({out_dir / "report.md": text, out_dir / "report.csv": sheet.getvalue()})
+    written = [
+        out_dir / "report.md",
+        out_dir / "report.csv",
+        *(draw(runs, out_dir) if plots else []),
+    ]
     if studied.exists() and (out_dir / "study.png").exists():
-        files.append(out_dir / "study.png")
+        written.append(out_dir / "study.png")
     if echo:
         print(console(table))
-        print("wrote " + ", ".join(str(p) for p in files))
+        print("wrote " + ", ".join(str(p) for p in written))
     if to_wandb if to_wandb is not None else wandb_sink.logged(run_dirs):
         wandb_sink.log_report(
             COLUMNS,
             table,
-            [p for p in files if p.suffix == ".png"],
+            [p for p in written if p.suffix == ".png"],
             out_dir,
             run_dirs,
             extra=study_tables(studied),
         )
-    return {"table": table, "files": files}
+    return {"table": table, "files": written}
 
 
 def study_tables(path: Path) -> dict:
@@ -287,7 +297,7 @@ def main() -> None:
     a = ap.parse_args()
     missing = [str(d) for d in a.dirs if not d.is_dir()]
     if missing:
-        raise SystemExit(f"not a directory: {', '.join(missing)}")
+        ap.error(f"not a directory: {', '.join(missing)}")  # exit 2
     with files.cli_errors(a.out or default_out(a.dirs)):
         write(a.dirs, a.out, to_wandb=False if a.no_wandb else None)
 

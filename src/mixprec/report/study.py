@@ -60,6 +60,7 @@ from mixprec.report.curves import (  # noqa: F401 (crossing, ratio_interval: the
     paired_interval,
     ratio_interval,
 )
+from mixprec.report.report import escape
 
 SMOOTH = ("power", "none")
 
@@ -259,42 +260,71 @@ def verdict(row: Row, reference: str) -> str:
     )
 
 
-def read_seeds(sweep_dir: Path) -> list[Seed]:
-    """Every run of the sweep: its precision, seed, rate and validation curve."""
-    import yaml
-
+def read_seeds(sweep_dir: Path, left_out: list[str] | None = None) -> list[Seed]:
+    """Every run of the sweep: its precision, seed, rate and validation curve. A run that
+    cannot be counted (its config unreadable, a summary.json that is another run's, a second
+    run of a precision and seed already read: a copied job dir) is left out, and why is
+    appended to `left_out`."""
     from mixprec.report.runs import find_runs
     from mixprec.sinks import local
-    from mixprec.sinks.local import read_jsonl
 
-    seeds = []
+    seeds: list[Seed] = []
+    read: dict[tuple[str, int], str] = {}  # (precision, seed) -> the run it was read from
     for run in find_runs([sweep_dir]):
-        s = local.read(run)
-        cfg = yaml.safe_load((run / ".hydra" / "config.yaml").read_text()) or {}
-        rows = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
-        curve = [
-            Point(r["step"], r.get("time/train_s", 0.0), r["val/loss"])
-            for r in rows
-            if isinstance(r.get("val/loss"), (int, float))
-        ]
-        finite = [p.loss for p in curve if math.isfinite(p.loss)]
-        diverged = s.get("exit_code") == 3 or (bool(curve) and not math.isfinite(curve[-1].loss))
-        seeds.append(
-            Seed(
-                precision=str(s.get("precision") or (cfg.get("precision") or {}).get("name")),
-                seed=int(cfg.get("seed", 0)),
-                run=run.name,
-                status=str(s.get("status")),
-                curve=curve,
-                rate=s.get("tokens_per_s") or s.get("samples_per_s"),
-                peak_gib=s.get("peak_mem_gib"),
-                skipped=s.get("skipped_steps"),
-                diverged=diverged,
-                final=curve[-1].loss if curve and not diverged else None,
-                best=min(finite) if finite else None,
-            )
-        )
+        seed, why = _seed_of(run, local)
+        if seed is not None and (seed.precision, seed.seed) in read:
+            first = read[(seed.precision, seed.seed)]
+            why = f"{seed.precision} seed {seed.seed} again (read from {first}: a copy?)"
+        if why:
+            if left_out is not None:
+                left_out.append(f"{run.name}: {why}")
+            continue
+        read[(seed.precision, seed.seed)] = run.name
+        seeds.append(seed)
     return seeds
+
+
+def _seed_of(run: Path, local) -> tuple[Seed | None, str | None]:
+    """The run as a seed of the study, or why it cannot be one."""
+    cfg = local.run_config(run)
+    if cfg is None:
+        return None, "its .hydra/config.yaml is missing or not a config"
+    s = local.read(run)
+    group = cfg.get("precision")
+    precision = str(group.get("name") if isinstance(group, dict) else group)
+    seed = cfg.get("seed", 0)
+    if not isinstance(seed, int):
+        return None, f"its config's seed is {seed!r}, not an int"
+    said_precision, said_seed = s.get("precision"), s.get("seed")
+    if (said_precision is not None and str(said_precision) != precision) or (
+        said_seed is not None and said_seed != seed
+    ):
+        return None, (
+            f"its summary.json is another run's (precision {said_precision}, seed {said_seed}; "
+            f"its config: {precision}, seed {seed})"
+        )
+    rows = local.read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
+    curve = [
+        Point(r["step"], local.number(r.get("time/train_s")) or 0.0, float(r["val/loss"]))
+        for r in rows
+        if isinstance(r.get("val/loss"), (int, float))
+    ]
+    finite = [p.loss for p in curve if math.isfinite(p.loss)]
+    diverged = s.get("exit_code") == 3 or (bool(curve) and not math.isfinite(curve[-1].loss))
+    seed_ = Seed(
+        precision=precision,
+        seed=seed,
+        run=run.name,
+        status=str(s.get("status")),
+        curve=curve,
+        rate=local.number(s.get("tokens_per_s")) or local.number(s.get("samples_per_s")),
+        peak_gib=local.number(s.get("peak_mem_gib")),
+        skipped=s.get("skipped_steps") if isinstance(s.get("skipped_steps"), int) else None,
+        diverged=diverged,
+        final=curve[-1].loss if curve and not diverged else None,
+        best=min(finite) if finite else None,
+    )
+    return seed_, None
 
 
 def _pm(v: tuple | None, fmt: str = "{:.4f}") -> str:
@@ -318,11 +348,12 @@ def markdown(result: dict) -> str:
             f"{max((f['rms'] for f in fits), default=float('nan')):.4f})"
         )
         if result.get("unfitted"):
-            how += f"; not fitted, raw crossings: {', '.join(result['unfitted'])}"
+            how += f"; not fitted, raw crossings: {escape(', '.join(result['unfitted']))}"
     else:
         how = "interpolated between evaluations"
     out = [
-        f"## Time to the same quality (reference {ref}, target val loss {target:.4f}: {where})\n",
+        f"## Time to the same quality (reference {escape(ref)}, target val loss {target:.4f}: "
+        f"{where})\n",
         "Training seconds to the target (steps only: evaluation, checkpoints and the first "
         f"step's compile left out), {how}; speedup = the reference's time / this one's, "
         f"the geometric mean over seeds with a {LEVEL:.0%} paired t interval on the per-seed "
@@ -336,7 +367,7 @@ def markdown(result: dict) -> str:
     ]
     for r in result["rows"]:
         out.append(
-            f"| {r.precision} | {r.seeds} | {_pm(r.rate, '{:,.0f}')} | "
+            f"| {escape(r.precision)} | {r.seeds} | {_pm(r.rate, '{:,.0f}')} | "
             f"{'-' if r.rate_vs_ref is None else f'{r.rate_vs_ref:.2f}'} | {_pm(r.final)} | "
             f"{'-' if r.steps_to is None else f'{r.steps_to:.0f}'} | "
             f"{_pm(r.seconds_to, '{:.1f}')} | "
@@ -345,7 +376,10 @@ def markdown(result: dict) -> str:
             f"{r.skipped} | {'-' if r.peak_gib is None else f'{r.peak_gib:.1f}'} |"
         )
     out.append("")
-    out += [f"- {r.verdict}" for r in result["rows"]]
+    out += [f"- {escape(r.verdict)}" for r in result["rows"]]
+    if result.get("left_out"):
+        out += ["", "Left out (not counted as seeds):"]
+        out += [f"- {escape(why)}" for why in result["left_out"]]
     return "\n".join(out) + "\n"
 
 
@@ -358,35 +392,64 @@ def write(
     fit_from: int | None = None,
 ) -> dict:
     """study.md, study.json and study.png in the sweep dir; returns the result."""
-    seeds = read_seeds(sweep_dir)
+    left_out: list[str] = []
+    seeds = read_seeds(sweep_dir, left_out)
     if not seeds:
-        raise ConfigError(f"{sweep_dir}: no run dirs (with .hydra/) in it to study")
+        why = f" ({'; '.join(left_out)})" if left_out else ""
+        raise ConfigError(f"{sweep_dir}: no run dirs (with .hydra/) in it to study{why}")
     result = analyse(seeds, reference, target, budget, smooth, fit_from)
-    (sweep_dir / "study.md").write_text(markdown(result))
+    result["left_out"] = left_out
     plain = {**result, "rows": [asdict(r) for r in result["rows"]]}
     plain["seeds"] = [{**asdict(s), "curve": [asdict(p) for p in s.curve]} for s in seeds]
-    (sweep_dir / "study.json").write_text(json.dumps(plain, indent=1))
     from mixprec.report.plots import study_plot
 
-    study_plot(result, sweep_dir / "study.png")
+    files.write_together(  # the three agree: all new, or all as they were
+        {
+            sweep_dir / "study.md": markdown(result),
+            sweep_dir / "study.json": json.dumps(plain, indent=1),
+            sweep_dir / "study.png": study_plot(result),
+        }
+    )
     return result
+
+
+def _at_least_1(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: an optimizer step >= 1")
+    return n
+
+
+def _loss(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: a finite validation loss > 0")
+    return v
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m mixprec.study", description=__doc__.split("\n")[0])
     ap.add_argument("sweep", type=Path, help="the sweep dir of precisions x seeds")
     ap.add_argument("--reference", default="bf16", help="the precision matched against (bf16)")
-    ap.add_argument("--target", type=float, default=None, help="val loss (default: see above)")
-    ap.add_argument("--budget", type=int, default=None, help="the reference's step for the target")
+    ap.add_argument("--target", type=_loss, default=None, help="val loss (default: see above)")
+    ap.add_argument(
+        "--budget", type=_at_least_1, default=None, help="the reference's step for the target"
+    )
     ap.add_argument(
         "--smooth", choices=SMOOTH, default="power", help="crossings from a fit (power)"
     )
     ap.add_argument(
-        "--fit-from", type=int, default=None, help="first step fitted (10 %% of the last)"
+        "--fit-from", type=_at_least_1, default=None, help="first step fitted (10 %% of the last)"
     )
     a = ap.parse_args(argv)
     if not a.sweep.is_dir():
-        raise SystemExit(f"not a directory: {a.sweep}")
+        ap.error(f"{a.sweep} does not exist or is not a directory")  # exit 2, as diagnose's
     with files.cli_errors(a.sweep):  # a config error, a full disk, a read-only sweep dir
         result = write(a.sweep, a.reference, a.target, a.budget, a.smooth, a.fit_from)
     print(markdown(result))

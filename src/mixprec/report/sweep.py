@@ -65,6 +65,19 @@ class ReportCallback(Callback):
 
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        try:
+            self._end(config, sweep_dir)
+        except KeyboardInterrupt:  # each file is replaced whole: what is there is consistent
+            log.error(
+                "interrupted while writing the sweep's study and report; the jobs are done. "
+                "Write them again: python -m mixprec.study %s (a study preset), "
+                "python -m mixprec.report %s",
+                sweep_dir,
+                sweep_dir,
+            )
+            sys.exit(130)
+
+    def _end(self, config, sweep_dir: Path) -> None:
         study_cfg = config.get("study") or {}
         if study_cfg.get("reference") and sweep_dir.is_dir():
             try:  # study.md/json/png first: the report carries the study's table

@@ -61,6 +61,16 @@ def main(cfg: DictConfig) -> float | None:
             sweep.job_failed(cfg, e)
             return None
         raise SystemExit(e.exit_code) from None
+    except Exception as e:  # a bug, or the user's own code raising
+        if not launch.multirun():
+            raise  # Hydra prints the traceback; exit 1
+        # in a sweep it is this job's failure: the other jobs, the study and the report go on
+        # (Hydra would re-raise it once every job ran, before the sweep's end: no study, no plots)
+        log.exception("the job failed with an unexpected error (exit 1 at the sweep's end)")
+        failed = MixprecError(f"{type(e).__name__}: {e}"[:500])
+        summary.record_refusal(cfg, failed)
+        sweep.job_failed(cfg, failed)
+        return None
     if value is None and launch.multirun():
         log.warning(
             "objective=%s is null for this run (not measured: e.g. too few steps after "

@@ -33,6 +33,7 @@ def of_session(s) -> dict:
         world_size=p.layout.world,
         steps=st.step,
         samples_per_s=meter.steady_rate,
+        seed=c.seed,  # with precision, what a study pairs the run by
         peak_mem_gib=mem["mem/peak_gib"],
         **val,
         skipped_steps=st.skipped_steps,
@@ -95,6 +96,7 @@ def of_refusal(cfg, e: MixprecError) -> dict:
         precision=pick("precision.name"),
         batch=pick("batch"),
         steps=0,
+        seed=pick("seed"),
         model=pick("model.target") or pick("model.name"),
         data=pick("data.name"),
     )

@@ -52,20 +52,41 @@ def write(run_dir: Path, summary: dict) -> None:
 
 def read(run_dir: Path) -> dict:
     """A run dir's summary; for a job that never wrote one (it failed before training, or the
-    file is torn), a failed summary from its Hydra config."""
+    file is torn or not a summary), a failed summary from its Hydra config."""
+    path = run_dir / "summary.json"
     try:
-        return json.loads((run_dir / "summary.json").read_text())
+        summary = json.loads(path.read_text())
     except (OSError, ValueError):
-        import yaml
+        summary, why = None, "no summary.json (see the job's train.log)"
+    else:
+        why = f"{path} holds a {type(summary).__name__}, not a summary"
+    if isinstance(summary, dict):
+        return summary
+    cfg = run_config(run_dir) or {}
+    precision = cfg.get("precision")
+    return make(
+        status="failed",
+        precision=precision.get("name") if isinstance(precision, dict) else None,
+        batch=cfg.get("batch"),
+        error=why,
+    )
 
-        path = run_dir / ".hydra" / "config.yaml"
-        cfg = (yaml.safe_load(path.read_text()) if path.exists() else None) or {}
-        return make(
-            status="failed",
-            precision=(cfg.get("precision") or {}).get("name"),
-            batch=cfg.get("batch"),
-            error="no summary.json (see the job's train.log)",
-        )
+
+def run_config(run_dir: Path) -> dict | None:
+    """The job's .hydra/config.yaml as a dict; None (with a warning naming it) where it is
+    missing, not YAML or not a mapping."""
+    import yaml
+
+    path = run_dir / ".hydra" / "config.yaml"
+    try:
+        cfg = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        log.warning("%s cannot be read (%s); its run is left out", path, type(e).__name__)
+        return None
+    if not isinstance(cfg, dict):
+        log.warning("%s is not a config (a %s); its run is left out", path, type(cfg).__name__)
+        return None
+    return cfg
 
 
 def number(v: Any) -> float | None:
@@ -110,17 +131,33 @@ class Sink:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a metrics.jsonl; a torn line (a crash, power loss or full disk mid-write) is
-    skipped with a warning instead of making the whole file unreadable."""
-    rows = []
+    """The rows of a metrics.jsonl (or numerics.jsonl): JSON objects with an integer step. A
+    torn line (a crash, power loss or full disk mid-write) or a row of another shape is skipped
+    with a warning instead of making the whole file unreadable."""
+    rows, torn, odd = [], [], []
     for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
-            log.warning("%s line %d is torn (not JSON); skipped", path, n)
+            torn.append(n)
+            continue
+        if isinstance(row, dict) and type(row.get("step")) is int:
+            rows.append(row)
+        else:
+            odd.append(n)
+    if torn:
+        log.warning("%s line %s is torn (not JSON); skipped", path, _lines(torn))
+    if odd:
+        log.warning("%s line %s is not a row with a step; skipped", path, _lines(odd))
     return rows
+
+
+def _lines(numbers: list[int]) -> str:
+    return ", ".join(map(str, numbers[:5])) + (
+        f" (+{len(numbers) - 5} more)" if numbers[5:] else ""
+    )
 
 
 def drop_rows_after(path: Path, step: int, evaluated: bool = False) -> None:
