@@ -31,7 +31,8 @@ def export(source: str, dtype: str | None = None, out: Path | None = None) -> tu
         k: v.to(cast) if cast is not None and v.is_floating_point() else v for k, v in model.items()
     }
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-    out = out or run_dir / f"model-step{blob['state']['step']}{'-' + dtype if dtype else ''}.pt"
+    name = f"model-step{blob['state']['step']}{'-' + dtype if dtype else ''}.pt"
+    out = out / name if out is not None and out.is_dir() else out or run_dir / name
     out.parent.mkdir(parents=True, exist_ok=True)  # --out into a folder not made yet
     files.write_atomic(out, lambda f: torch.save(weights, f))
     return out, blob["config"].get("model") or {}
@@ -43,7 +44,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("run", help="a run dir (its newest checkpoint), a .pt file or a .dcp dir")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
-    ap.add_argument("--out", type=Path, default=None, help="default: RUN_DIR/model-stepN.pt")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="a file, or a folder to write model-stepN.pt into (default: RUN_DIR)",
+    )
     a = ap.parse_args(argv)
     try:
         out, model = export(a.run, a.dtype, a.out)

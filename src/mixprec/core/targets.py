@@ -4,8 +4,10 @@ the config's kwargs plus the run's facts its signature asks for by name."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import io
 import os
 import re
 import sys
@@ -42,14 +44,43 @@ def add_path(folder: str | None) -> None:
 def plugin(key: str, path: str, attrs: tuple[str, ...], kind: str, what: str, hint: str):
     """The module `path` names as a plugin (precision.plugin, logger.sinks.<name>), with the
     attributes its kind must define; a ConfigError naming `key` where it is not one."""
-    try:
-        module = importlib.import_module(path)
-    except ImportError as e:
-        raise ConfigError(
-            f"{key}={path!r} cannot be imported ({e}); it must be a module with {what}{hint}"
-        ) from None
+    module = imported(key, path, path, f"; it must be a module with {what}{hint}")
     if not all(hasattr(module, a) for a in attrs):
         raise ConfigError(f"{key}={path!r} is not a {kind} plugin: it must define {what}")
+    return module
+
+
+def imported(key: str, value: str, module_name: str, hint: str = ""):
+    """`module_name` imported for the config's `key` (set to `value`): whatever a user's module
+    does at import (raises, calls sys.exit, runs argparse on train.py's arguments) is a
+    ConfigError naming the key. What it prints meanwhile is held back, and let through once the
+    import succeeded: argparse's usage would read as train.py's."""
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            module = importlib.import_module(module_name)
+    except SystemExit as e:
+        said = (err.getvalue() or out.getvalue()).strip().splitlines()
+        raise ConfigError(
+            f"{key}={value!r}: importing {module_name} called sys.exit({e.code!r})"
+            + (f" after printing {said[-1][:160]!r}" if said else "")
+            + "; code that parses arguments or exits belongs under "
+            "`if __name__ == '__main__':` in that module"
+        ) from None
+    except ImportError as e:
+        if value == module_name:  # a plugin named by its module
+            raise ConfigError(f"{key}={value!r} cannot be imported ({e}){hint}") from None
+        raise ConfigError(
+            f"{key}={value!r}: module {module_name!r} cannot be imported{hint}: "
+            f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        ) from None
+    except Exception as e:  # noqa: BLE001  (a user's module may raise anything on import)
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        raise ConfigError(
+            f"{key}={value!r}: importing {module_name} raised {type(e).__name__}: {first}{hint}"
+        ) from None
+    sys.stdout.write(out.getvalue())
+    sys.stderr.write(err.getvalue())
     return module
 
 
@@ -58,14 +89,8 @@ def load(key: str, target: str, folder: str | None) -> Callable:
     check_target(key, target)
     add_path(folder)
     module_name, attr = target.split(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001  (a user's module may raise anything on import)
-        where = f" (looked on PYTHONPATH and in {folder})" if folder else " (on PYTHONPATH)"
-        raise ConfigError(
-            f"{key}={target!r}: module {module_name!r} cannot be imported{where}: "
-            f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        ) from None
+    where = f" (looked on PYTHONPATH and in {folder})" if folder else " (on PYTHONPATH)"
+    obj: Any = imported(key, target, module_name, where)
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ConfigError(f"{key}={target!r}: {module_name} has no attribute {attr!r}")
@@ -76,15 +101,18 @@ def load(key: str, target: str, folder: str | None) -> Callable:
 
 
 def call(key: str, target: str, fn: Callable, kwargs: dict, facts: dict) -> Any:
-    """fn(**kwargs, **the facts its signature names and kwargs does not set); a TypeError
-    (a kwarg it does not take, one it needs and did not get) is a ConfigError naming `key`."""
+    """fn(**kwargs, **the facts its signature names and kwargs does not set). Arguments that do
+    not fit its signature (a kwarg it does not take, one it needs and did not get), or an
+    exception the call raises, are a ConfigError naming `key`."""
     try:
-        params = inspect.signature(fn).parameters
+        sig = inspect.signature(fn)
     except (TypeError, ValueError):
-        params = {}
+        sig = None
+    params = sig.parameters if sig is not None else {}
     given = {k: v for k, v in facts.items() if k in params and k not in kwargs}
     try:
-        return fn(**kwargs, **given)
+        if sig is not None:
+            sig.bind(**kwargs, **given)
     except TypeError as e:
         group = key.split(".")[0]
         hint = (
@@ -96,3 +124,13 @@ def call(key: str, target: str, fn: Callable, kwargs: dict, facts: dict) -> Any:
             f"{key}={target!r} with kwargs {dict(kwargs)}: {str(e).splitlines()[0][:200]} "
             f"(mixprec passes, where the signature names them: {', '.join(facts)}){hint}"
         ) from None
+    try:
+        return fn(**kwargs, **given)
+    except Exception as e:  # noqa: BLE001  (the user's code may raise anything)
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        hint = (
+            "; return it on the CPU, where it is made: mixprec moves it to the run's device"
+            if any(w in str(e).lower() for w in ("cuda", "nvidia"))
+            else ""
+        )
+        raise ConfigError(f"{key}={target!r} raised {type(e).__name__}: {first}{hint}") from None

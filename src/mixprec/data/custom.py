@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -25,6 +26,8 @@ from mixprec.core.errors import ConfigError, check
 from mixprec.core.tasks import CLASSIFY, LanguageModel
 from mixprec.data.base import Context, Data
 from mixprec.data.loaders import EpochLoader
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,6 +107,8 @@ def _check_sample(target: str, split: str, sample: Any, lm: bool, n: int) -> tup
         )
     elif not 0 <= int(y) < n:
         raise ConfigError(f"{where}: label {int(y)} is outside [0, num_classes={n})")
+    if x.dtype == torch.float64 and split == "train":
+        log.info("%s is float64 (numpy's default): batches become float32 on the device", where)
     return tuple(x.shape)
 
 

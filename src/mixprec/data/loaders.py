@@ -18,9 +18,13 @@ from mixprec.data.workers import Seeded, quiet_worker, signals_held, start_metho
 
 
 def to_device(batch, device: torch.device, fmt: torch.memory_format):
+    """A batch on its device. float64 inputs (numpy's default dtype, a dataset of your own)
+    become float32, the dtype of the weights every precision keeps, in the same copy: a float64
+    input meets float32 weights as "mat1 and mat2 must have the same dtype" at the first step."""
     x, y = batch
-    x = x.to(device, non_blocking=True).contiguous(memory_format=fmt)
-    return x, y.to(device, non_blocking=True)
+    wide = x.dtype == torch.float64
+    x = x.to(device, torch.float32 if wide else None, non_blocking=True)
+    return x.contiguous(memory_format=fmt), y.to(device, non_blocking=True)
 
 
 class Normalize:

@@ -147,7 +147,10 @@ def build(
         )
         model.mixprec_blocks = mcfg.blocks
     zeros = task.zeros(1, input_shape, device)
-    _check_output(_materialise(model, mcfg, zeros), mcfg, task, num_classes, input_shape)
+    out = _materialise(model, mcfg, zeros)
+    _check_output(out, mcfg, task, num_classes, input_shape, list(model.parameters()))
+    del out  # (its graph: one sample's activations)
+    _check_trainable(model, mcfg)
     if mcfg.grad_checkpointing:
         model = enable_grad_checkpointing(model, mcfg.label)
     if mcfg.channels_last:
@@ -161,17 +164,40 @@ def _create(mcfg: ModelConfig, num_classes: int, input_shape, task) -> nn.Module
     return mcfg.adapter.create(mcfg, num_classes, input_shape, task)
 
 
-def _check_output(out, mcfg: ModelConfig, task, num_classes: int, input_shape) -> None:
+def _check_output(out, mcfg: ModelConfig, task, num_classes: int, input_shape, model_params=()):
     """The model's output for one sample is what the task's loss needs: (1, classes) for
-    classification, (1, T, vocab) for token sequences."""
+    classification, (1, T, vocab) for token sequences, floating point, and (where the model has
+    trainable weights) connected to them."""
     want = (1, input_shape[0], num_classes) if task.name == "lm" else (1, num_classes)
     got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    if got == want and not out.is_floating_point():
+        raise ConfigError(
+            f"{mcfg.key}={mcfg.label!r} returns {out.dtype} logits; the loss needs "
+            "floating-point logits (return the scores, not their argmax or a cast to int)"
+        )
+    if got == want and not out.requires_grad and any(p.requires_grad for p in model_params):
+        raise ConfigError(
+            f"{mcfg.key}={mcfg.label!r} returns logits that do not require grad (detached, "
+            "or computed under torch.no_grad()): the loss could not reach the weights; "
+            "return the output of the forward as it is"
+        )
     if got != want:
         kind = "token sequences (batch, T, vocab)" if task.name == "lm" else "(batch, classes)"
         raise ConfigError(
             f"{mcfg.key}={mcfg.label!r} returns {got} for an input of shape "
             f"{(1, *input_shape)}; this data needs logits {want}: {kind}, with the data's "
             f"{'vocabulary' if task.name == 'lm' else 'classes'} ({num_classes})"
+        )
+
+
+def _check_trainable(model: nn.Module, mcfg: ModelConfig) -> None:
+    """Something to train: an optimizer over no parameters is torch's "empty parameter list"."""
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        what = f"all {len(params)} of its parameters are frozen" if params else "it has none"
+        raise ConfigError(
+            f"{mcfg.key}={mcfg.label!r} has no trainable parameters ({what}): there is nothing "
+            "to train; leave requires_grad=True on the weights to train"
         )
 
 
@@ -195,12 +221,18 @@ def _materialise(model: nn.Module, mcfg: ModelConfig, zeros: torch.Tensor):
     parameters, and a model that cannot take the data's input says so before any training.
     Returns the output (its shape is checked against the task)."""
     input_shape = tuple(zeros.shape[1:])
-    try:
-        with torch.no_grad():
+    try:  # with grad: a forward that detaches its output is seen (one sample's activations)
+        with torch.enable_grad():
             out = model.eval()(zeros)
     except (RuntimeError, AssertionError, ValueError, TypeError, IndexError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         hint = mcfg.adapter.input_hint
+        kinds = {p.dtype for p in model.parameters() if p.is_floating_point()} - {torch.float32}
+        if "dtype" in first and kinds:  # fp16/bf16 weights: the precision casts, not the model
+            hint = (
+                f"its weights are {', '.join(sorted(map(str, kinds)))}: build the model in "
+                "float32 and let precision= choose what it computes in"
+            )
         raise ConfigError(
             f"{mcfg.key}={mcfg.label!r} cannot take this data's input of shape "
             f"{tuple(input_shape)} ({first}); {hint}"

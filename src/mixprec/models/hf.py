@@ -42,6 +42,8 @@ def make_config(name: str, overrides: dict, task, num_classes: int, input_shape)
     try:
         if Path(name).expanduser().is_file() or name.endswith(".json"):
             fields = json.loads(Path(name).expanduser().read_text())
+            if not isinstance(fields, dict):
+                raise ValueError(f"it holds a JSON {type(fields).__name__}, not an object")
             kind = fields.pop("model_type")
         else:
             fields, kind = {}, name
@@ -72,7 +74,19 @@ def make_config(name: str, overrides: dict, task, num_classes: int, input_shape)
         and "head_dim" not in {**fields, **overrides}
     ):
         data["head_dim"] = None  # derived again from the hidden size and the heads
-    return tf.AutoConfig.for_model(kind, **{**fields, **dict(overrides), **data})
+    try:
+        return tf.AutoConfig.for_model(kind, **{**fields, **dict(overrides), **data})
+    except Exception as e:  # noqa: BLE001  (transformers' validators raise their own kinds)
+        raise ConfigError(
+            f"model.hf.config={name!r} with model.hf.overrides={dict(overrides)}: transformers "
+            f"refuses the config ({_why(e)})"
+        ) from None
+
+
+def _why(e: Exception) -> str:
+    """The cause in transformers' message (its validators put it on the last line)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(e).__name__)[:200]
 
 
 def build(name: str, overrides: dict, task, num_classes: int, input_shape) -> nn.Module:
@@ -87,6 +101,11 @@ def build(name: str, overrides: dict, task, num_classes: int, input_shape) -> nn
             f"model.hf.config={name!r}: transformers builds no {kind} from "
             f"{type(config).__name__} ({str(e).splitlines()[0][:200]}); the data decides the "
             "kind (token data: causal LM, images: classification)"
+        ) from None
+    except Exception as e:  # noqa: BLE001  (e.g. a negative size: torch's RuntimeError)
+        raise ConfigError(
+            f"model.hf.config={name!r} with model.hf.overrides={dict(overrides)}: the model "
+            f"cannot be built ({type(e).__name__}: {_why(e)})"
         ) from None
     return (CausalLM if task.name == "lm" else ImageClassifier)(model.float())
 

@@ -161,6 +161,24 @@ class Precision:
                 "no bfloat16 support; use one of fp32, tf32, amp, amp_accum"
             )
 
+    def check_model(self, model: nn.Module, key: str) -> None:
+        """What this precision needs of the model as its source made it (`key`: the config
+        key that chose it), before it is converted: a GradScaler unscales fp32 gradients only,
+        so trainable fp16 weights are refused here, not by its "Attempting to unscale FP16
+        gradients" at the first step."""
+        half = [
+            n for n, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float16
+        ]
+        if self.scaling and half:
+            more = " and more" if half[1:] else ""
+            raise ConfigError(
+                f"{key}: the model's weights are float16 ({half[0]}{more})"
+                f" and precision={self.name} scales the loss with a GradScaler, which unscales "
+                "float32 gradients only: build the model in float32 (autocast computes in "
+                "float16 and keeps the weights fp32), or train fp16 weights without a scaler "
+                "(precision=bf16 with bfloat16 weights)"
+            )
+
     def warm_up(self, device: torch.device, compiled: bool) -> None:
         """Before the data and the model are built (not for batch=auto's probes, nor for a run
         that resumes a plan). Nothing here."""

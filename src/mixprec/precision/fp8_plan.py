@@ -24,8 +24,10 @@ benchmarks/fp8_plan.py (train.py, fp8_auto against bf16 and uniform fp8, side by
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -126,26 +128,50 @@ def choose(us: dict, candidates: list[str], margin: float) -> str:
 
 
 class TimingCache:
-    """{key: microseconds} in one JSON file (None: nothing kept); a file that cannot be read
-    is started over, one that cannot be written only warns."""
+    """{key: microseconds} in one JSON file (None: nothing kept). What is read is checked: a
+    file that is not a JSON object is started over, an entry that is not a timing (a string,
+    null, a dict: an edited or damaged file) is timed again. Saving merges into the file as it
+    is then, under a lock, so runs that time layers at once each keep what they timed; a file
+    that cannot be written only warns."""
 
     def __init__(self, path: str | None) -> None:
         self.path = Path(os.path.expanduser(path)) if path else None
-        self.data: dict[str, float] = {}
-        if self.path is not None and self.path.is_file():
-            try:
-                self.data = dict(json.loads(self.path.read_text()))
-            except (OSError, ValueError, TypeError):
-                log.warning("fp8 plan: %s cannot be read; measuring again", self.path)
+        self.data: dict[str, float] = self._read() if self.path is not None else {}
+
+    def _read(self) -> dict[str, float]:
+        if not self.path.is_file():
+            return {}
+        try:
+            raw = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            raw = None
+        if not isinstance(raw, dict):
+            log.warning("fp8 plan: %s cannot be read; measuring again", self.path)
+            return {}
+        good = {k: float(v) for k, v in raw.items() if _timing(v)}
+        if len(good) < len(raw):
+            log.warning(
+                "fp8 plan: %d entries of %s are not timings; they are timed again",
+                len(raw) - len(good),
+                self.path,
+            )
+        return good
 
     def save(self) -> None:
         if self.path is None:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            files.write_json(self.path, dict(sorted(self.data.items())))
+            with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                self.data = {**self._read(), **self.data}  # another run's timings kept
+                files.write_json(self.path, dict(sorted(self.data.items())))
         except (OSError, MixprecError) as e:  # (a full disk or a read-only cache: DiskFull, ...)
             log.warning("fp8 plan: the timings could not be cached in %s (%s)", self.path, e)
+
+
+def _timing(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
 def cache_key(gemms, recipe: str, compiled: bool, device: torch.device) -> str:

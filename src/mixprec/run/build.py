@@ -191,6 +191,7 @@ def assemble(
     (the FLOP count). Training and every batch=auto probe are built here (`probing`: a probe,
     which gives the precision no micro-batch to measure with)."""
     model = models.build(c.model, spec.num_classes, spec.input_shape, device, spec.task)
+    prec.check_model(model, f"{c.model.key}={c.model.label!r}")
     example_batch = lambda: example(  # noqa: E731
         c, spec.input_shape, device, spec.batch, spec.num_classes, spec.task
     )
