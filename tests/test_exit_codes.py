@@ -228,6 +228,10 @@ DRIVEN_ELSEWHERE = {
     "`python -m mixprec.study` with `--budget`": (
         "test_report_hostile.py::test_the_study_refuses_a_bad_flag_naming_it"
     ),
+    "a model too large for the device's or the host's memory": (
+        "test_own_code_errors.py::"
+        "test_a_model_too_large_for_this_machine_is_refused_before_it_is_allocated"
+    ),
     "a model or data callable of yours": (
         "test_own_model.py::test_a_target_that_cannot_be_imported_exits_2_through_train_py"
     ),

@@ -280,3 +280,39 @@ def test_export_into_an_existing_folder_writes_the_file_there(tmp_path):
     assert written.name == "model-step2.pt"
     assert torch.load(written, weights_only=True).keys()
     assert str(ROOT)  # (the module runs from the repo root)
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["model=hf", "data=text", "data.seq_len=16", "data.max_mb=1"], "B parameters (with the"),
+        (
+            ["data=synthetic", "data.num_classes=200000000", "data.shape=[3,32,32]"],
+            "(with the data's 200000000 classes)",
+        ),
+    ],
+    ids=["llama-7b-shape", "200M-classes"],
+)
+def test_a_model_too_large_for_this_machine_is_refused_before_it_is_allocated(
+    tmp_path, overrides, needle
+):
+    """model=hf alone is Llama-2-7B's shape: about 100 GiB of weights, gradients and Adam state,
+    where the kernel killed the run after minutes without a word. Refused from the parameter
+    count on the meta device, before a byte is allocated."""
+    pytest.importorskip("transformers")
+    cfg = compose_cfg([*SMALL, *overrides, "trainer.max_steps=1"], tmp_path / "run")
+    with pytest.raises(ConfigError, match="GiB available") as e:
+        run.run(cfg)
+    assert needle in str(e.value) and "optimizer.state=8bit" in str(e.value), str(e.value)
+
+
+def test_the_bytes_a_parameter_costs_follow_the_optimizers_state():
+    from mixprec.optim import states
+
+    from conftest import group
+
+    assert states.bytes_per_param(group("optimizer", "adamw")) == 16
+    assert states.bytes_per_param(group("optimizer", "adamw", state="8bit")) == 10
+    assert states.bytes_per_param(group("optimizer", "adamw", state="bf16")) == 8
+    assert states.bytes_per_param(group("optimizer", "adamw", offload="cpu")) == 8
+    assert states.bytes_per_param(group("optimizer", "sgd", momentum=0.9)) == 12

@@ -14,6 +14,7 @@ import resource
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import torch
@@ -158,6 +159,29 @@ def memory_limit(device: torch.device, memory_gib: float | None) -> int:
     """Bytes this process may allocate on the GPU: the card, or the emulated card's cap."""
     total = torch.cuda.get_device_properties(device).total_memory
     return int(min(total, memory_gib * GIB)) if memory_gib else total
+
+
+def available_bytes(device: torch.device, memory_gib: float | None = None) -> int | None:
+    """What this process can still allocate: the GPU's free memory (under the emulated card's
+    cap), or the host's available memory (MemAvailable, within a cgroup's limit) on a CPU;
+    None where it cannot be read."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return min(free, int(memory_gib * GIB)) if memory_gib else free
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        free = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    try:  # a container's limit, where it is lower than the host's memory (cgroup v2)
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            free = min(free, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return free
 
 
 @contextmanager

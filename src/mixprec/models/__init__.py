@@ -159,6 +159,26 @@ def build(
     return model
 
 
+def parameter_count(mcfg: ModelConfig, num_classes: int, input_shape, task=None) -> int | None:
+    """The model's parameters, counted on the meta device (nothing allocated), where its source
+    builds there without side effects (Hugging Face, timm); None for your own builder (it is
+    not called twice) or where the meta build fails (the real build then says why)."""
+    if not getattr(mcfg.adapter, "builds_on_meta", False):
+        return None
+    task = task or tasks.CLASSIFY
+    meta = torch.device("meta")
+    lazy = nn.parameter.UninitializedParameter  # sized at the first forward
+    try:
+        with meta:
+            model = _create(mcfg, num_classes, input_shape, task)
+        if any(isinstance(p, lazy) for p in model.parameters()):
+            with torch.no_grad():
+                model.eval()(task.zeros(1, input_shape, meta))
+    except Exception:  # noqa: BLE001  (the real build names what is wrong)
+        return None
+    return sum(p.numel() for p in model.parameters() if not isinstance(p, lazy))
+
+
 def _create(mcfg: ModelConfig, num_classes: int, input_shape, task) -> nn.Module:
     """The model from its source's adapter, before anything mixprec does to it."""
     return mcfg.adapter.create(mcfg, num_classes, input_shape, task)
@@ -226,6 +246,11 @@ def _materialise(model: nn.Module, mcfg: ModelConfig, zeros: torch.Tensor):
             out = model.eval()(zeros)
     except (RuntimeError, AssertionError, ValueError, TypeError, IndexError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if "allocate" in first or "out of memory" in first:  # not the input's fault
+            raise ConfigError(
+                f"{mcfg.key}={mcfg.label!r} does not fit in this device's memory at its first "
+                f"forward ({first}): a smaller model, or fewer classes or tokens"
+            ) from None
         hint = mcfg.adapter.input_hint
         kinds = {p.dtype for p in model.parameters() if p.is_floating_point()} - {torch.float32}
         if "dtype" in first and kinds:  # fp16/bf16 weights: the precision casts, not the model

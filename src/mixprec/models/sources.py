@@ -60,6 +60,7 @@ class HuggingFace:
 
     key = "model.hf.config"
     input_hint = Target.input_hint
+    builds_on_meta = True  # (its parameters are counted before any is allocated)
 
     def label(self, mcfg) -> str:
         return f"hf:{mcfg.hf.config}"
@@ -77,6 +78,7 @@ class Timm:
     """model.name: any timm model (timm.list_models())."""
 
     key = "model.name"
+    builds_on_meta = True
     input_hint = (
         "pick a model for that input size (e.g. model=digits_cnn for data=digits; "
         "vit/convnext models want ImageNet-sized images such as data=synthetic)"

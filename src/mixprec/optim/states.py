@@ -48,6 +48,17 @@ def check_config(ocfg) -> None:
         )
 
 
+def bytes_per_param(ocfg) -> int:
+    """What each trainable parameter costs on the device before any activation: its weight and
+    gradient (fp32; bf16 with optimizer.state=bf16) and the optimizer's state (Adam's two
+    moments at the state's width; SGD's momentum; none on the device when offloaded)."""
+    if ocfg.name == "sgd":
+        return 8 + (4 if ocfg.momentum else 0)
+    moments = {"fp32": 8, "bf16": 4, "8bit": 2, "4bit": 1, "fp8": 2}.get(ocfg.state, 8)
+    weights = 4 if ocfg.state == "bf16" else 8  # weight + gradient
+    return weights + (0 if ocfg.offload != "none" else moments)
+
+
 def used(ocfg) -> bool:
     return ocfg.state != "fp32" or ocfg.offload != "none"
 

@@ -190,6 +190,8 @@ def assemble(
     parallel module, as torch recommends for DDP. `inspect` sees the converted, unwrapped model
     (the FLOP count). Training and every batch=auto probe are built here (`probing`: a probe,
     which gives the precision no micro-batch to measure with)."""
+    if not probing:
+        check_memory(c, spec, device, dd)
     model = models.build(c.model, spec.num_classes, spec.input_shape, device, spec.task)
     prec.check_model(model, f"{c.model.key}={c.model.label!r}")
     example_batch = lambda: example(  # noqa: E731
@@ -216,6 +218,32 @@ def assemble(
     clipping = c.trainer.clip_grad_norm is not None
     optim_states.check_run(c.optimizer, prec, device, dd.world, clipping)
     return model, optim.build_optimizer(c.optimizer, models.unwrap(model), lr, device)
+
+
+def check_memory(c: TrainConfig, spec: Spec, device: torch.device, dd) -> None:
+    """Refuse, before anything is allocated, a model whose weights, gradients and optimizer
+    state alone exceed the memory this process has (the kernel's OOM killer, minutes later and
+    without a word, on a CPU): its parameters are counted on the meta device."""
+    n = models.parameter_count(c.model, spec.num_classes, spec.input_shape, spec.task)
+    free = hardware.available_bytes(device, c.hardware.memory_gib)
+    if not n or free is None:
+        return
+    each = optim_states.bytes_per_param(c.optimizer)
+    shards = dd.world if dd.grouped and strategy.of(c.parallel).shards else 1
+    need = n * each / shards
+    if need <= free:
+        return
+    where = "this GPU has" if device.type == "cuda" else "this machine has"
+    raise ConfigError(
+        f"{c.model.key}={c.model.label!r} has {n / 1e9:.2f} B parameters (with the data's "
+        f"{spec.num_classes} {'tokens' if spec.task.name == 'lm' else 'classes'}): its weights, "
+        f"gradients and optimizer state need at least {need / 2**30:.1f} GiB ({each} bytes a "
+        f"parameter with optimizer={c.optimizer.name} optimizer.state={c.optimizer.state}"
+        f"{f', sharded over {shards}' if shards > 1 else ''}; activations come on top) and "
+        f"{where} {free / 2**30:.1f} GiB available. Try a smaller model (model.hf.overrides, "
+        "model.kwargs, or a smaller preset such as model=hf_llama_tiny), optimizer.state=8bit, "
+        "parallel=fsdp over more GPUs, or a machine with more memory"
+    )
 
 
 def _flops_and_peak(model, data, hw, prec, device) -> tuple[int | None, float | None]:
