@@ -419,3 +419,21 @@ def test_a_rank_stopped_as_it_records_its_failure_still_records_it(tmp_path):
     assert s["status"] == "failed" and s["exit_code"] == 1
     assert s["error"] == "RuntimeError: Connection closed by peer [127.0.0.1]:29500"
     assert not list(d.glob(".summary.json.*.tmp"))
+
+
+def test_uint16_ids_that_look_like_uint32_are_asked_about_and_read_when_said(tmp_path):
+    """A vocabulary of 2 stored as uint16 (1, 0, 1, 0, ...) reads exactly as uint32 ids would:
+    the heuristic cannot tell them apart, so it asks instead of refusing what data.dtype says."""
+    import numpy as np
+
+    from mixprec.core.errors import ConfigError
+    from mixprec.data import tokens
+
+    from conftest import group
+
+    np.tile(np.array([1, 0], dtype=np.uint16), 2048).tofile(tmp_path / "train.bin")
+    said = group("data", "tokens", root=str(tmp_path), vocab_size=2, seq_len=8)
+    with pytest.raises(ConfigError, match="data.dtype=uint32, or data.dtype=uint16"):
+        tokens.read(said, "train")
+    said.dtype = "uint16"
+    assert tokens.read(said, "train")[:4].tolist() == [1, 0, 1, 0]

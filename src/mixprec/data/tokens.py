@@ -29,7 +29,8 @@ class Config:
 
     name: str = MISSING
     root: Optional[str] = MISSING  # the folder with train.bin and val.bin
-    dtype: str = MISSING  # uint16 or uint32: how the .bin files store a token id
+    dtype: Optional[str] = MISSING  # uint16 or uint32: how the .bin files store a token id;
+    # null: uint16, unless the files read as uint32 ids (then the run asks for data.dtype)
     vocab_size: int = MISSING  # the tokenizer's vocabulary (the model's input and output size)
     seq_len: int = MISSING  # tokens per training sequence
     epoch_sequences: int = MISSING  # training windows per epoch, drawn anew each epoch
@@ -42,13 +43,13 @@ class Config:
             self.root,
             "the folder holding train.bin and val.bin for data=tokens",
         )
-        one_of("data.dtype", self.dtype, ("uint16", "uint32"))
-        limit = 2**16 if self.dtype == "uint16" else 2**31
+        one_of("data.dtype", self.dtype, (None, "uint16", "uint32"))
+        limit = 2**31 if self.dtype == "uint32" else 2**16
         check(
             2 <= self.vocab_size <= limit,
             "data.vocab_size",
             self.vocab_size,
-            f"in [2, {limit}] for {self.dtype}",
+            f"in [2, {limit}] for {self.dtype or 'uint16'}",
         )
         check(self.seq_len >= 2, "data.seq_len", self.seq_len, "an int >= 2")
         check(self.val_sequences >= 1, "data.val_sequences", self.val_sequences, "an int >= 1")
@@ -82,20 +83,22 @@ def _check_file(cfg: Config, path: Path) -> None:
 def read(cfg: Config, split: str) -> np.ndarray:
     path = Path(cfg.root).expanduser() / f"{split}.bin"
     _check_file(cfg, path)
-    size = np.dtype(cfg.dtype).itemsize
+    dtype = cfg.dtype or "uint16"
+    size = np.dtype(dtype).itemsize
     if path.stat().st_size % size:
         raise ConfigError(
-            f"{path}: {path.stat().st_size} bytes is not a whole number of {cfg.dtype} "
+            f"{path}: {path.stat().st_size} bytes is not a whole number of {dtype} "
             "tokens (data.dtype)"
         )
     try:
-        tokens = np.memmap(path, dtype=cfg.dtype, mode="r")
+        tokens = np.memmap(path, dtype=dtype, mode="r")
     except OSError as e:  # unreadable after all
         raise ConfigError(f"{path} cannot be read ({e.strerror or e})") from None
-    if cfg.dtype == "uint16" and looks_uint32(tokens):
+    if cfg.dtype is None and looks_uint32(tokens):  # (uint16 ids can look so too: ask)
         raise ConfigError(
             f"{path} reads as uint16 ids with every second one 0: it looks like uint32 token "
-            "ids (each id's zero high half); set data.dtype=uint32"
+            "ids (each id's zero high half); say which it is: data.dtype=uint32, or "
+            "data.dtype=uint16 if these are uint16 ids"
         )
     top = int(tokens.max()) if len(tokens) else 0
     if top >= cfg.vocab_size:
@@ -122,7 +125,7 @@ def build(cfg: Config, ctx: Context) -> Data:
         cfg.root,
         f"{len(train):,}",
         f"{len(val):,}",
-        cfg.dtype,
+        cfg.dtype or "uint16",
         cfg.vocab_size,
     )
     return token_data(train, val, cfg, ctx, cfg.vocab_size, TASK)
