@@ -5,23 +5,25 @@ any subpackage on a lower floor, never one on its own floor or above (tests/test
 every import, lazy ones included). The entry points at this level (diagnose, export, prepare,
 study, sync: `python -m mixprec.<name>`) sit above them all.
 
-  0 core          errors, atomic files, plugin schemas and targets, metrics, tasks, hardware
-  1 models data optim parallel internals
-                  what is trained, on what, by which optimizer, across which ranks; patches of
-                  torch's private internals behind version gates
-  2 precision checkpoint compile sinks
+  0 internals     torch's private state: every read of it (torch_private.py) and every patch
+                  of it behind version gates; it imports nothing of mixprec's but itself
+  1 core          errors, atomic files, plugin schemas and targets, metrics, tasks, hardware
+  2 models data optim parallel
+                  what is trained, on what, by which optimizer, across which ranks
+  3 precision checkpoint compile sinks
                   the precision plugins, checkpoints, torch.compile, the loggers
-  3 diagnostics   the precision doctor and the dtype audit
-  4 train         the loop, each step's ledger, batch=auto's search, stop signals, throughput
-  5 report        reading run dirs: the sweep report, its plots, the time-to-quality study
-  6 run           the config schema, the builder and a run's life in its run dir
+  4 diagnostics   the precision doctor and the dtype audit
+  5 train         the loop, each step's ledger, batch=auto's search, stop signals, throughput
+  6 report        reading run dirs: the sweep report, its plots, the time-to-quality study
+  7 run           the config schema, the builder and a run's life in its run dir
 """
 
 __version__ = "0.1.0"
 
 FLOORS = (
+    ("internals",),
     ("core",),
-    ("models", "data", "optim", "parallel", "internals"),
+    ("models", "data", "optim", "parallel"),
     ("precision", "checkpoint", "compile", "sinks"),
     ("diagnostics",),
     ("train",),

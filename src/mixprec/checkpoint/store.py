@@ -286,7 +286,7 @@ def restore(blob: dict, path: Path, learner) -> dict:
             "starts a fresh scaler at init_scale=%g",
             path,
             (blob["config"].get("precision") or {}).get("name", "?"),
-            scaler._init_scale,
+            scaler.get_scale(),  # (a fresh one: its initial scale)
         )
     elif scaler.is_enabled():
         _load(path, "scaler", lambda: scaler.load_state_dict(blob["scaler"]), "bad scaler state")

@@ -15,7 +15,7 @@ from torch import nn
 
 from mixprec.core import files
 from mixprec.core.errors import ConfigError
-from mixprec.internals import inductor_fix
+from mixprec.internals import inductor_fix, torch_private
 from mixprec.models import ModelConfig, blocks_of, unwrap
 from mixprec.models.parts import repeated_blocks  # noqa: F401  (tests and benchmarks use it here)
 
@@ -103,9 +103,7 @@ def compile_kwargs(mode: str | None, options: dict) -> dict:
     both, so the mode's own options (torch._inductor.list_mode_options) go under the user's."""
     if not options:
         return {"mode": mode}
-    from torch import _inductor
-
-    return {"options": {**_inductor.list_mode_options(mode or "default"), **options}}
+    return {"options": {**torch_private.inductor_mode_options(mode or "default"), **options}}
 
 
 def compile_model(model: nn.Module, mode: str | None, options: dict) -> nn.Module:

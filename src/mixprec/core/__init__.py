@@ -4,5 +4,5 @@ the one atomic write and the disk checks (files.py), a plugin's own Config read 
 what a model learns from the data (tasks.py), the hardware profiles (hardware.py), the one place
 that changes process-wide state (process.py), and what Hydra says about the launch (launch.py).
 
-May import: nothing of mixprec's.
+May import: internals (torch's private state is read there).
 """

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from mixprec.core.errors import ConfigError
+from mixprec.internals import torch_private
 
 log = logging.getLogger("mixprec")
 GIB = 1024**3
@@ -31,9 +32,7 @@ def apply(s: Settings, device: torch.device) -> None:
     set_tf32(s.tf32)
     torch.autograd.set_detect_anomaly(s.detect_anomaly)
     if s.recompile_limit is not None:
-        limits = torch._dynamo.config
-        key = "recompile_limit" if hasattr(limits, "recompile_limit") else "cache_size_limit"
-        setattr(limits, key, max(getattr(limits, key), s.recompile_limit))
+        torch_private.raise_recompile_limit(s.recompile_limit)
     if device.type != "cuda":
         return
     torch.backends.cudnn.benchmark = s.cudnn_benchmark

@@ -20,11 +20,12 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from mixprec.core import norms
 from mixprec.core.errors import DtypeMismatch
 from mixprec.diagnostics.replay import MATMULS, tensors, untouched
 
 log = logging.getLogger(__name__)
-_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+_NORMS = (*norms.BATCH_NORMS, *norms.INSTANCE_NORMS, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 MODES = ("check", "log", "off")  # debug.dtype_plan
 
 
@@ -43,7 +44,7 @@ class Promise:
 
 def _kind(t: torch.Tensor) -> str:
     """A tensor's dtype, or the name of its subclass (torchao's quantised optimizer states)."""
-    local = getattr(t, "_local_tensor", None)  # a DTensor: its shard
+    local = t.to_local() if hasattr(t, "to_local") else None  # a DTensor: its shard
     t = local if local is not None else t
     if type(t).__name__.startswith("OptimState"):  # torchao's OptimState8bit, 4bit, Fp8
         return type(t).__name__

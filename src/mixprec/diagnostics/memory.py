@@ -42,7 +42,7 @@ def tensor_bytes(tensors, device_type: str) -> int:
     tensor's local shard; torchao's quantised states by their own tensors)."""
     seen, total = set(), 0
     for t in tensors:
-        t = getattr(t, "_local_tensor", t)
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
         inner = [getattr(t, a) for a in getattr(t, "__tensor_flatten__", lambda: ([], None))()[0]]
         for x in inner or [t]:
             if not isinstance(x, torch.Tensor) or x.device.type != device_type:

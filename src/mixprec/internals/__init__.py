@@ -11,7 +11,7 @@ quick_exit; `all` for every one), so that what it buys can be measured side by s
 and a torch it breaks can still run. And each is gated by version (GATES): on a torch (or, for
 quick_exit, a Python) it was not written and tested for, it does nothing and says so once.
 
-May import: core.
+May import: nothing of mixprec's (the lowest floor: every other may import it).
 """
 
 from __future__ import annotations

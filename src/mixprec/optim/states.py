@@ -21,6 +21,7 @@ from collections import OrderedDict
 import torch
 from timm.optim import param_groups_weight_decay
 
+from mixprec.core import norms
 from mixprec.core.errors import ConfigError, one_of
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ def to_weights(ocfg, model: torch.nn.Module) -> None:
     kernels take one dtype); other buffers (a Llama's rotary tables) stay as they are."""
     if ocfg.state == "bf16":
         for m in model.modules():
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            if isinstance(m, norms.BATCH_NORMS):
                 m.to(torch.bfloat16)
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)

@@ -107,11 +107,20 @@ class ScalerConfig:
         check(self.growth_interval >= 1, "scaler.growth_interval", self.growth_interval, ">= 1")
 
 
-class StaticGradScaler(GradScaler):
+class Scaler(GradScaler):
+    """torch's GradScaler, which keeps the scale it starts from to itself: here it is public
+    (the log's description, a resume that starts a fresh scaler)."""
+
+    def __init__(self, *args, init_scale: float = 2.0**16, **kwargs) -> None:
+        super().__init__(*args, init_scale=init_scale, **kwargs)
+        self.initial_scale = init_scale
+
+
+class StaticGradScaler(Scaler):
     """A fixed loss scale: overflowing steps are still skipped, but the scale never moves."""
 
     def update(self, new_scale=None) -> None:
-        super().update(self._init_scale if new_scale is None else new_scale)
+        super().update(self.initial_scale if new_scale is None else new_scale)
 
 
 @dataclass
@@ -281,8 +290,9 @@ class Precision:
         cast = f"autocast {self.cfg.autocast}" if self.dtype else "autocast off"
         s = self.scaler
         scale = (
-            f"GradScaler init_scale={s._init_scale:g} growth={s._growth_factor:g} "
-            f"backoff={s._backoff_factor:g} interval={s._growth_interval}"
+            f"GradScaler init_scale={getattr(s, 'initial_scale', s.get_scale()):g} "
+            f"growth={s.get_growth_factor():g} backoff={s.get_backoff_factor():g} "
+            f"interval={s.get_growth_interval()}"
             + (" (static)" if isinstance(s, StaticGradScaler) else "")
             if s.is_enabled()
             else "GradScaler off"
@@ -337,7 +347,7 @@ def build(
             "overflows are not skipped; use scaler=dynamic unless you mean it",
             pcfg.name,
         )
-    cls = StaticGradScaler if scfg.static else GradScaler
+    cls = StaticGradScaler if scfg.static else Scaler
     scaler = cls(
         device.type,
         init_scale=scfg.init_scale,

@@ -6,19 +6,14 @@ compiles, captured in a CUDA graph and replayed (gemm_step, Captured).
 
 The timings run in child processes on the same GPU (Child; one per 4 CPU cores, at most 4),
 started on train.py's first lines (fp8_early.py) or else before the data and the model are
-built, so that their imports (torch, torchao, inductor: 10-17 s on a new H200 host) overlap the
-training process's. Started at the build, they began 0.5-2.1 s before the plan and the plan took
-21.9-23.3 s on the 8B slice (16.4 s on ViT-B); started on train.py's first lines, 13-16 s
-before, and it took 11.3-11.8 s (9.0 s; alternated in one call, H200, 2026-12-03,
-benchmarks/RESULTS.md). A float8 timing's cost is its compile (5-13 s each on the 8B slice's
-shapes, most of it the compile stack's first use in a process; its GPU time is milliseconds), so
-the children compile and capture their shares at once and then time them one after another: no
-timing shares the GPU. A child compiles nothing before its share arrives: a warm-up compile of a
-small float8 Linear made four children 4-5 s slower on the 8B slice (25.3-25.8 s against
-20.4-22.2 s, alternated in one call; H200, 2026-12-03). Each timing leaves 65-130 MiB allocated
-that neither torch.compiler.reset(), the graph's reset nor gc frees in-process
-(benchmarks/fp8_plan_leak.py; H200, 2026-12-02), and a cold-cache fp8_auto run planned
-in-process peaked 0.8-1.1 GiB above bf16; in a child, that memory leaves with it.
+built, so that their imports (torch, torchao, inductor) overlap the training process's (what
+that buys: benchmarks/RESULTS.md's fp8 plan rows). A float8 timing's cost is its compile (most of
+it the compile stack's first use in a process; its GPU time is milliseconds), so the children
+compile and capture their shares at once and then time them one after another: no timing shares
+the GPU. A child compiles nothing before its share arrives: a warm-up compile made the children
+slower, measured side by side. Each timing leaves memory allocated that neither
+torch.compiler.reset(), the graph's reset nor gc frees in-process (benchmarks/fp8_plan_leak.py),
+so a run that planned in-process peaked above bf16; in a child, that memory leaves with it.
 """
 
 from __future__ import annotations
@@ -38,6 +33,7 @@ import torch
 from torch import nn
 
 from mixprec.core.errors import MixprecError
+from mixprec.internals import torch_private
 from mixprec.precision import fp8_early
 from mixprec.precision.fp8_plan import BF16, Gemm
 
@@ -255,7 +251,7 @@ def _child() -> None:
     # imported while the training process imports, builds its data and model: the compile
     # stack too, before the share says whether the run compiles (most fp8 runs do)
     importlib.import_module("torchao.float8")
-    importlib.import_module("torch._inductor.compile_fx")
+    torch_private.import_inductor()
     since = lambda: time.time() - setup["t0"]  # noqa: E731 (seconds since it was started)
     imported = since()
     line = sys.stdin.readline()

@@ -9,6 +9,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from mixprec.core import norms
+from mixprec.internals import torch_private
+
 
 class StepWatch:
     """Tells whether optimizer.step() really ran (GradScaler skips it on inf/nan gradients).
@@ -63,7 +66,7 @@ class BatchNormGuard:
         self.stats = [
             t
             for m in model.modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None
+            if isinstance(m, norms.BATCH_NORMS) and m.running_mean is not None
             for t in (m.running_mean, m.running_var)
         ]
         self.sizes = [t.numel() for t in self.stats]
@@ -76,4 +79,4 @@ class BatchNormGuard:
         if saved is None:
             return
         kept = torch.where(torch.isfinite(loss.detach()), torch.cat(self.stats), saved)
-        torch._foreach_copy_(self.stats, list(kept.split(self.sizes)))
+        torch_private.copy_all_(self.stats, list(kept.split(self.sizes)))

@@ -11,6 +11,8 @@ from contextlib import contextmanager
 
 import torch
 
+from mixprec.internals import torch_private
+
 log = logging.getLogger(__name__)
 MIN_TIMED_STEPS = 10  # fewer steps after warm-up than this: samples_per_s is null
 
@@ -47,22 +49,8 @@ def since_job_start() -> float:
     return time.monotonic() - _JOB["t"] if _JOB else process_age_s()
 
 
-def _compile_total() -> float | None:
-    try:
-        from torch._dynamo.utils import calculate_time_spent
-
-        return calculate_time_spent().get("total_wall_time", 0.0)
-    except Exception:  # a private counter: absent in another torch, the key is null
-        return None
-
-
-def _tune_total() -> float | None:
-    try:
-        from torch._dynamo.utils import compilation_time_metrics
-    except Exception:
-        return None
-    keys = [k for k in compilation_time_metrics if "coordinate_descent" in k or "autotune" in k]
-    return sum(sum(compilation_time_metrics[k]) for k in keys)
+_compile_total = torch_private.compile_seconds  # (absent in another torch: the key is null)
+_tune_total = torch_private.tuning_seconds
 
 
 def compile_s() -> float | None:

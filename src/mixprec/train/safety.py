@@ -95,8 +95,8 @@ class DivergenceGuard:
         """The latest loss, every weight and every float buffer are finite (one sync): only then
         write a checkpoint. The loss is computed before the update, so the weights are checked
         too. What a buffer held non-finite before training (`self.design`) is left out."""
-        norms = torch._foreach_norm([t.detach() for t in watched(model, self.design)])
-        bad = self.bad + (~torch.isfinite(torch.stack(norms)).all()).long()
+        total = torch.nn.utils.get_total_norm([t.detach() for t in watched(model, self.design)])
+        bad = self.bad + (~torch.isfinite(total)).long()
         return int(self.reduce(bad, "max")) == 0
 
     def check(self, step: int, loss: float, scale: float | None, lr: float) -> None:
