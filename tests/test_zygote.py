@@ -163,3 +163,42 @@ def test_torchrun_with_relayed_ranks_trains_what_real_ranks_train(tmp_path, monk
         assert torch.equal(got["zygote"][1][k], w), k
     for key in ("status", "steps", "world_size", "val_loss"):
         assert got["zygote"][2][key] == got["process"][2][key], key
+
+
+def test_a_signal_before_the_relay_knows_its_child_is_held_and_forwarded(tmp_path):
+    """The zygote replies with the child's pid a second after forking it (a loaded machine): a
+    SIGTERM in between killed the relay, which had no forwarding yet, and left the child
+    running; now it is held until the pid is known, then forwarded."""
+    proc = relayed(tmp_path, "wait", **{zygote.DELAY_ENV: "1"})
+    child = json.loads(proc.stdout.readline())["pid"]  # the child runs: its first line is out
+    os.killpg(proc.pid, signal.SIGTERM)  # before the relay has heard of it
+    assert proc.wait(60) == 7, "the relay died of the signal instead of forwarding it"
+    assert proc.stdout.readline().strip() == f"got {int(signal.SIGTERM)}"
+    assert not Path(f"/proc/{child}").exists()
+
+
+def test_a_client_gone_before_its_reply_leaves_the_zygote_serving_and_no_child(tmp_path):
+    """The server wrote the child's pid to a client that had died (killed as it asked): the
+    broken pipe ended the server, and every later run of the session failed. Now the child
+    goes (no one would wait for it) and the server goes on."""
+    import socket
+
+    (tmp_path / "probe.py").write_text(PROBE)
+    out, err = open(tmp_path / "out", "w"), open(tmp_path / "err", "w")
+    env = {**os.environ, "RANK": "1", zygote.DELAY_ENV: "1"}
+    request = {"argv": [str(tmp_path / "probe.py"), "wait"], "cwd": str(tmp_path)}
+    request |= {"env": env, "unbuffered": True}
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(zygote.relay_env()[zygote.SOCKET_ENV])
+    socket.send_fds(sock, [json.dumps(request).encode()], [out.fileno(), err.fileno()])
+    sock.close()  # gone before the reply
+    out.close(), err.close()
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "out").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = json.loads((tmp_path / "out").read_text().splitlines()[0])["pid"]
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{child}").exists(), "the child of a client that died runs on"
+    proc = relayed(tmp_path, "3")  # the server still serves
+    assert json.loads(proc.stdout.readline())["preloaded"] and proc.wait(60) == 3

@@ -87,6 +87,7 @@ SAFE_PREFIXES = ("MIXPREC_TEST_", "TORCHELASTIC_", "NCCL_", "_TORCHINDUCTOR_")
 # the relay (tests/zygote_python): the interpreter it stands in for, and the zygote's socket
 PYTHON_ENV, SOCKET_ENV = "MIXPREC_TEST_PYTHON", "MIXPREC_TEST_ZYGOTE_SOCKET"
 LOG_ENV = "MIXPREC_TEST_ZYGOTE_LOG"  # a file each child names itself in
+DELAY_ENV = "MIXPREC_TEST_ZYGOTE_REPLY_DELAY"  # seconds the server waits between fork and reply
 RELAY = Path(__file__).resolve().parent / "zygote_python"
 # the zygote's own PYTHONPATH entries: a child's come from its request's environment instead
 BASE_PYTHONPATH = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
@@ -159,7 +160,7 @@ def _accept(listener: socket.socket, sel: selectors.BaseSelector, waiting: dict)
     request = json.loads(msg)
     refused = unsafe(request["env"], START_ENV, os.environ)
     if refused:
-        conn.sendall(json.dumps({"refused": refused}).encode() + b"\n")
+        _send(conn, {"refused": refused})
     else:
         sys.stdout.flush()
         pid = os.fork()
@@ -170,14 +171,31 @@ def _accept(listener: socket.socket, sel: selectors.BaseSelector, waiting: dict)
             for other in waiting.values():
                 other.close()
             return {**request, "fds": fds}
-        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-        waiting[pid] = conn
-        sel.register(conn, selectors.EVENT_READ, pid)
+        time.sleep(float(request["env"].get(DELAY_ENV, 0)))  # (a loaded machine, in tests)
+        if _send(conn, {"pid": pid}):
+            waiting[pid] = conn
+            sel.register(conn, selectors.EVENT_READ, pid)
+        else:  # the client died as it asked (killed): no one waits for the child, so it goes
+            for kill in (os.killpg, os.kill):  # (it may not lead its own group yet)
+                with contextlib.suppress(OSError):
+                    kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            refused = True  # (closed below)
     for fd in fds:
         os.close(fd)
     if refused:
         conn.close()
     return None
+
+
+def _send(conn: socket.socket, reply: dict) -> bool:
+    """One reply line to a client; False where the client is gone (a broken pipe must not end
+    the server, which every later test run needs)."""
+    try:
+        conn.sendall(json.dumps(reply).encode() + b"\n")
+    except OSError:
+        return False
+    return True
 
 
 def _client_gone(key: selectors.SelectorKey, sel: selectors.BaseSelector, waiting: dict) -> None:
@@ -431,6 +449,10 @@ def relay(argv: list[str]) -> None:
     rest = argv[1:] if unbuffered else argv
     script = rest[:1] != ["-m"] and rest[:1] and rest[0].endswith(".py") and Path(rest[0]).is_file()
     reply, answers = {}, None
+    # a signal from now until the child's pid is known is held, then forwarded: before, one
+    # that came between the fork and the reply killed this process and left the child running
+    forwarded = {getattr(signal, name) for name in FORWARDED}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, forwarded)
     if script or (rest[:1] == ["-m"] and len(rest) > 1):
         request = {
             "argv": rest,
@@ -447,16 +469,19 @@ def relay(argv: list[str]) -> None:
         except (OSError, KeyError, ValueError):
             reply = {}
     if "pid" not in reply:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # the real interpreter's, as given
         python = os.environ[PYTHON_ENV]
         os.execv(python, [python, *argv])
     pid = reply["pid"]
 
     def forward(sig: int, _frame) -> None:
-        with contextlib.suppress(OSError):
-            os.killpg(pid, sig)
+        for kill in (os.killpg, os.kill):  # (the child may not lead its own group yet)
+            with contextlib.suppress(OSError):
+                return kill(pid, sig)
 
     for name in FORWARDED:
         signal.signal(getattr(signal, name), forward)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # what came meanwhile is forwarded now
     if "TORCHELASTIC_RUN_ID" in os.environ:  # as parallel.distributed.die_with_agent
         import ctypes
 
