@@ -4,8 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # make test runs the suite in this many pytest-xdist processes, one per core: the suite is bound
-# by CPU, not by its waits on subprocesses. On 2 cores the full suite took 11.7 min with 2 and 13.4 min
-# with 3 (2026-12-04, at 92c81e7, one host; 8.0 min with 2 at 2a9e84c on a faster one: README.md's test rows).
+# by CPU, not by its waits on subprocesses (a third process on 2 cores made it slower).
 TEST_WORKERS ?= 2
 # A machine without a GPU can take torch's CPU-only wheels (a few hundred MB instead of the ~6 GB
 # venv with the CUDA wheels): make train TORCH_INDEX=https://download.pytorch.org/whl/cpu

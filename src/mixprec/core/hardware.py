@@ -2,7 +2,7 @@
 
 The profiles are the options of conf/hardware/ (one card each); `auto` picks the one whose
 `gpu_match` occurs in the CUDA device name (or `cpu` without a GPU) and falls back to the generic
-`cuda` profile for unknown GPUs. Profiles are loaded through Hydra (run.py hands `resolve` the
+`cuda` profile for unknown GPUs. Profiles are loaded through Hydra (run/build.py hands `resolve` the
 loader), so a profile added on Hydra's search path is found like the shipped ones.
 """
 

@@ -1,11 +1,10 @@
 """precision=fp8_auto's timing processes (fp8_timing.py), started by train.py's first lines.
 
 On a machine whose caches are empty, the plan's time is its timing processes' imports (torch,
-torchao, inductor: 10-17 s on new H200 hosts). Started by the plugin's warm_up, after the
-training process has imported torch and composed its config, they began 0.5-2.1 s before the
-plan needed them, which took 21.9-23.3 s on the 8B slice and 16.4 s on ViT-B; started here,
-13-16 s before, it took 11.3-11.8 s and 9.0 s (alternated in one call, H200, 2026-12-03,
-benchmarks/RESULTS.md). start() starts them before the training process imports torch, on the
+torchao, inductor). Started by the plugin's warm_up, after the training process has imported
+torch and composed its config, they begin too late to hide them; started here, they import
+while the training process does (the measured difference is benchmarks/RESULTS.md's fp8 plan
+rows). start() starts them before the training process imports torch, on the
 command line's word: an argument `precision=fp8_auto` or `precision.fp8_layers=auto`, no timings
 yet in the plan cache the command line names (or the default one), NVIDIA's driver loaded, and
 not a sweep or a help. Then they import while the training process imports, composes its config

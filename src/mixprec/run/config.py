@@ -1,7 +1,7 @@
 """The config schema: the root (TrainConfig) over one dataclass per group, each kept in the module
-of its concern (precision.py holds PrecisionConfig and ScalerConfig, data/<name>.py its dataset's
-Config, ...). Values live in conf/*.yaml only: a field here has a type, a one-line meaning and
-its checks, never a default of its own (MISSING), so a default lives in one place.
+of its concern (precision/base.py holds PrecisionConfig and ScalerConfig, data/<name>.py its
+dataset's Config, ...). Values live in conf/*.yaml only: a field here has a type, a one-line
+meaning and its checks, never a default of its own (MISSING), so a default lives in one place.
 
 The data, precision and logger groups are plugins (data/<name>.py, precision.plugin,
 sinks/<name>.py): their nodes are parsed by their own Config. Hydra merges conf/ onto this
@@ -91,7 +91,7 @@ class TrainerConfig:
 class TrainConfig:
     """conf/train.yaml: the groups, then the run's own keys."""
 
-    precision: Any = MISSING  # the chosen precision plugin's own Config (precision.py)
+    precision: Any = MISSING  # the chosen precision plugin's own Config (precision/)
     scaler: ScalerConfig = MISSING
     optimizer: OptimizerConfig = MISSING
     scheduler: SchedulerConfig = MISSING
