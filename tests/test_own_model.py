@@ -486,3 +486,28 @@ def test_the_guard_leaves_out_only_what_was_non_finite_before_training():
     with torch.no_grad():
         model.lm_head.weight[0, 0] = float("nan")
     assert not guard.healthy(model)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [*LM, "model.target=own_models:gpt2_output", "batch=8"],
+        [*CONV, "model.target=own_models:DictLogits", "batch=16"],
+        [
+            "model.target=torchvision.models:resnet18",
+            "data=synthetic",
+            "data.shape=[3,32,32]",
+            "data.num_classes=10",
+            "batch=4",
+        ],
+    ],
+    ids=["hf-output-object", "dict-of-logits", "torchvision-kwargs-builder"],
+)
+def test_outputs_and_builders_as_they_come_train(tmp_path, overrides):
+    """An HF output object's .logits, a dict's "logits", and a torchvision builder that takes
+    only **kwargs (it gets the data's num_classes: it failed with "(1, 1000) ... needs (1,
+    10)") train as they are: refused before."""
+    if any("gpt2" in o for o in overrides):
+        pytest.importorskip("transformers")
+    s = run.run(cfg(tmp_path, "model=own", *overrides, "trainer.max_steps=4"))
+    assert s["status"] == "completed" and s["val_loss"] is not None, s

@@ -140,3 +140,22 @@ class CrashingLM(TinyLM):
         if self.crash and self.calls == 3:
             raise RuntimeError("a bug in the user's model")
         return super().forward(tokens)
+
+
+def gpt2_output(vocab_size: int, max_seq_len: int) -> nn.Module:
+    """transformers' GPT-2 as it is: its forward returns CausalLMOutputWithCrossAttentions (the
+    logits are its .logits), through model.target rather than model=hf."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=vocab_size, n_positions=max_seq_len, n_embd=32, n_layer=1, n_head=2
+    )
+    config.bos_token_id = config.eos_token_id = vocab_size - 1  # the data's vocabulary
+    return GPT2LMHeadModel(config)
+
+
+class DictLogits(TinyConvNet):
+    """A model that returns a dict of its outputs, the logits among them."""
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"logits": super().forward(x), "features": x.mean()}

@@ -100,16 +100,22 @@ def load(key: str, target: str, folder: str | None) -> Callable:
     return obj
 
 
-def call(key: str, target: str, fn: Callable, kwargs: dict, facts: dict) -> Any:
-    """fn(**kwargs, **the facts its signature names and kwargs does not set). Arguments that do
-    not fit its signature (a kwarg it does not take, one it needs and did not get), or an
-    exception the call raises, are a ConfigError naming `key`."""
+def call(
+    key: str, target: str, fn: Callable, kwargs: dict, facts: dict, forwarded: tuple = ()
+) -> Any:
+    """fn(**kwargs, **the facts its signature names and kwargs does not set). A callable that
+    takes **kwargs (torchvision's builders, which forward them to the model's class) also gets
+    the facts `forwarded` names, unless it then refuses them. Arguments that do not fit its
+    signature (a kwarg it does not take, one it needs and did not get), or an exception the call
+    raises, are a ConfigError naming `key`."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         sig = None
     params = sig.parameters if sig is not None else {}
     given = {k: v for k, v in facts.items() if k in params and k not in kwargs}
+    keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    passed = {k: facts[k] for k in forwarded if k in facts and k not in kwargs} if keywords else {}
     try:
         if sig is not None:
             sig.bind(**kwargs, **given)
@@ -125,12 +131,22 @@ def call(key: str, target: str, fn: Callable, kwargs: dict, facts: dict) -> Any:
             f"(mixprec passes, where the signature names them: {', '.join(facts)}){hint}"
         ) from None
     try:
-        return fn(**kwargs, **given)
+        try:
+            return fn(**kwargs, **given, **passed)
+        except TypeError as e:  # (its **kwargs did not take what it was passed)
+            if not any(f"'{k}'" in str(e) for k in passed):
+                raise
+            return fn(**kwargs, **given)
     except Exception as e:  # noqa: BLE001  (the user's code may raise anything)
-        first = (str(e).strip().splitlines() or [""])[0][:200]
         hint = (
             "; return it on the CPU, where it is made: mixprec moves it to the run's device"
             if any(w in str(e).lower() for w in ("cuda", "nvidia"))
             else ""
         )
-        raise ConfigError(f"{key}={target!r} raised {type(e).__name__}: {first}{hint}") from None
+        raise ConfigError(
+            f"{key}={target!r} raised {type(e).__name__}: {_first(e)}{hint}"
+        ) from None
+
+
+def _first(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]

@@ -7,12 +7,23 @@ FLOP count, the dtype audit), the loss, the validation metrics, and the tokens i
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from mixprec.core import metrics
+
+
+def logits_of(out):
+    """The logits in a model's output as it comes: a tensor, an object with `.logits` (Hugging
+    Face's ModelOutput, CausalLMOutputWithCrossAttentions and its kin) or a dict with "logits".
+    Anything else is returned as it is (the model's output check names it)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) else out
 
 
 class _Task:
@@ -40,7 +51,7 @@ class Classify(_Task):
         return torch.zeros(n, *shape, device=device)
 
     def loss(self, logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean"):
-        return F.cross_entropy(logits, y, reduction=reduction)
+        return F.cross_entropy(logits_of(logits), y, reduction=reduction)
 
     def tokens(self, shape) -> int:
         return 1
@@ -68,7 +79,7 @@ class LanguageModel(_Task):
         return torch.zeros(n, *shape, dtype=torch.long, device=device)
 
     def loss(self, logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean"):
-        return F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)
+        return F.cross_entropy(logits_of(logits).flatten(0, -2), y.flatten(), reduction=reduction)
 
     def tokens(self, shape) -> int:
         return int(shape[0])

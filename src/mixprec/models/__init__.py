@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 from mixprec.core import tasks
 from mixprec.core.errors import ConfigError, check, one_of
+from mixprec.internals import torch_private
 from mixprec.models import (  # noqa: F401  (llama, zoo: register mixprec_llama, _digits_* with timm)
     llama,
     sources,
@@ -122,7 +123,7 @@ def build(
     task=None,
 ) -> nn.Module:
     """The model on its device, in its memory format, materialised, with activation
-    checkpointing and the Triton max-pool if asked: everything before the precision converts it
+    checkpointing and memory format if asked: everything before the precision converts it
     (build.assemble holds the order: model, precision, parallel wrap, compile, optimizer).
     A language model gets the data's vocabulary and sequence length, an image model its
     classes and channels; a model that returns the wrong shape for the data is a config error."""
@@ -189,6 +190,7 @@ def _check_output(out, mcfg: ModelConfig, task, num_classes: int, input_shape, m
     classification, (1, T, vocab) for token sequences, floating point, and (where the model has
     trainable weights) connected to them."""
     want = (1, input_shape[0], num_classes) if task.name == "lm" else (1, num_classes)
+    out = tasks.logits_of(out)  # (a tensor, an output object's .logits, a dict's "logits")
     got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
     if got == want and not out.is_floating_point():
         raise ConfigError(
@@ -203,6 +205,12 @@ def _check_output(out, mcfg: ModelConfig, task, num_classes: int, input_shape, m
         )
     if got != want:
         kind = "token sequences (batch, T, vocab)" if task.name == "lm" else "(batch, classes)"
+        if not isinstance(out, torch.Tensor):
+            kind += " as a tensor, an object's .logits or a dict's ['logits']"
+        elif task.name != "lm" and out.dim() == 2 and mcfg.source == "target":
+            kind += (
+                f"; a builder that names its classes otherwise: +model.kwargs.NAME={num_classes}"
+            )
         raise ConfigError(
             f"{mcfg.key}={mcfg.label!r} returns {got} for an input of shape "
             f"{(1, *input_shape)}; this data needs logits {want}: {kind}, with the data's "
@@ -224,12 +232,11 @@ def _check_trainable(model: nn.Module, mcfg: ModelConfig) -> None:
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain module under every wrapper (torch.compile's OptimizedModule, DDP), however
     they nest: the one module whose state_dict keys carry no `_orig_mod.` or `module.`."""
-    from torch._dynamo.eval_frame import OptimizedModule
     from torch.nn.parallel import DistributedDataParallel
 
     while True:
-        if isinstance(model, OptimizedModule):
-            model = model._orig_mod
+        if (inner := torch_private.compiled_module(model)) is not None:
+            model = inner
         elif isinstance(model, DistributedDataParallel):
             model = model.module
         else:

@@ -46,7 +46,8 @@ class Target:
             else {"in_chans": input_shape[0], "input_shape": tuple(input_shape)}
         )
         fn = targets.load("model.target", mcfg.target, mcfg.path)
-        model = targets.call("model.target", mcfg.target, fn, dict(mcfg.kwargs), facts)
+        forwarded = () if task.name == "lm" else ("num_classes",)  # (torchvision's **kwargs)
+        model = targets.call("model.target", mcfg.target, fn, dict(mcfg.kwargs), facts, forwarded)
         if not isinstance(model, nn.Module):
             raise ConfigError(
                 f"model.target={mcfg.target!r} returned {type(model).__name__}, not a "

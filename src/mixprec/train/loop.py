@@ -1,6 +1,6 @@
 """The training loop: train() -> train_step() -> forward/backward, and evaluate().
 
-It reads no config: run.py hands it objects and numbers. The whole precision story is in
+It reads no config: run/ hands it objects and numbers. The whole precision story is in
 train_step(): autocast, scale, backward, unscale, clip, step (maybe skipped), update. What
 happens around each step (counters, scheduler, logs, checkpoints, stop signals) is the
 StepLedger's (ledger.py), which settles a step at once or, on a GPU, one step late.
@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.utils import clip_grad_norm_, get_total_norm
 from torch.optim.lr_scheduler import LRScheduler
 
-from mixprec.core.tasks import CLASSIFY, Task
+from mixprec.core.tasks import CLASSIFY, Task, logits_of
 from mixprec.parallel import sharding
 from mixprec.precision.base import Precision
 from mixprec.precision.step_guards import BatchNormGuard, StepWatch
@@ -41,7 +41,7 @@ class Learner:
 
 @dataclass
 class Plan:
-    """How long and how often, in numbers (run.py builds it from trainer.* and ckpt.*)."""
+    """How long and how often, in numbers (run/build.py builds it from trainer.* and ckpt.*)."""
 
     total_steps: int  # optimizer steps in the run (steps GradScaler skips do not count)
     epochs: int  # passes over the data that may be started (enough for total_steps)
@@ -153,7 +153,7 @@ def evaluate(
             model.train()
             return None
         with learner.precision.autocast():
-            logits = model(x)
+            logits = logits_of(model(x))  # (a tensor, .logits or ["logits"])
         batch = [
             learner.task.loss(logits.float(), y, reduction="sum"),
             *(m.batch_sum(logits, y) for m in extra),
