@@ -53,16 +53,20 @@ SWEEP_PRESETS = (
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def readme_commands() -> list[str]:
+def readme_commands(refused: bool = False) -> list[str]:
+    """The docs' `python train.py` commands (`refused`: those whose comment says the run is
+    refused, which must then be refused before it trains)."""
     text = "".join(p.read_text() for p in DOCS)
     blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
     commands = []
     for block in blocks:
         for line in block.replace("\\\n", " ").splitlines():
-            line = line.split("  #")[0].strip()
+            line, _, comment = line.partition("  #")
+            line = line.strip()
             if line.startswith("python train.py") and "hydra/launcher=slurm" not in line:
-                commands.append(line)
-    assert len(commands) >= 15, commands
+                if not refused or "refused" in comment:
+                    commands.append(line)
+    assert refused or len(commands) >= 15, commands
     return sorted(set(commands), key=commands.index)
 
 
@@ -92,7 +96,11 @@ def test_every_readme_command_works_as_written(command, tmp_path):
             assert len([d for d in tmp_path.iterdir() if d.name.isdigit()]) == 2
         return
     cfg = compose_cfg([*args, *short], tmp_path / "run")  # the parser train.py uses
-    if GPU.search(command) or "data.root=" in command:
+    if command in readme_commands(refused=True):  # the docs say so: refused, nothing trained
+        with pytest.raises(ConfigError):
+            run.run(cfg)
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    elif GPU.search(command) or "data.root=" in command:
         with pytest.raises(ConfigError, match="GPU|CUDA|data.root"):
             run.run(cfg)
         assert not (tmp_path / "run" / "metrics.jsonl").exists()
