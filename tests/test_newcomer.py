@@ -203,12 +203,14 @@ def test_the_report_says_how_much_each_rate_moved_and_when_a_ratio_is_noise():
     noisy = run_row("bf16", "bf16", [60.0, 180.0, 90.0, 150.0])  # 1.2x, but it moves by ±50 %
     table = report.build_table([steady, noisy])
     assert spread(steady["curves"]) < 0.01  # the first (warm-up) window is left out
-    assert table[1]["speedup_vs_fp32"] == pytest.approx(1.2) and table[1]["within_noise"]
-    assert table[0]["within_noise"] is None  # the baseline is not compared with itself
+    assert table[1]["speedup_vs_fp32"] == pytest.approx(1.2)
+    assert table[1]["speedup_resolved"] is None  # one run each: not yet resolved
+    assert table[0]["speedup_resolved"] is None  # the baseline is not compared with itself
     text = report.notes([{**r, **t} for r, t in zip([steady, noisy], table)]) + report.markdown(
         table
     )
     assert "ran on a CPU" in text and "process RSS" in text
+    assert "not yet resolved" in text and "seed=0,1,2" in text
     assert "mfu" not in text.split("\n|")[1]  # a column empty in every row is not shown
 
 
@@ -229,3 +231,31 @@ def test_a_sweep_prints_its_table_once_and_ends_with_its_result(tmp_path):
     assert not any(line.startswith("wandb:") for line in out.splitlines())  # W&B is quiet
     last = out.strip().splitlines()[-1]
     assert last.startswith("wrote "), out[-3000:]  # the report is the last word
+
+
+def test_a_speedup_is_resolved_against_how_much_repeated_runs_differ():
+    """Three seeds of each: tf32 on a CPU (a no-op) at fp32's rate within the runs' spread is
+    `no`, bf16 at twice it `yes`; a configuration run once stays not yet resolved, however
+    steady its own windows."""
+    from mixprec.report import report
+
+    def run_row(precision: str, seed: int, rate: float) -> dict:
+        return {
+            "run": f"precision={precision},seed={seed}",
+            "precision": precision,
+            "status": "completed",
+            "batch": 64,
+            "samples_per_s": rate,
+            "samples_per_s_spread": 0.001,  # steady windows: they do not decide
+            "overrides": [f"precision={precision}", f"seed={seed}"],
+        }
+
+    runs = [run_row("fp32", k, r) for k, r in enumerate((100.0, 112.0, 95.0))]
+    runs += [run_row("tf32", k, r) for k, r in enumerate((118.0, 101.0, 108.0))]
+    runs += [run_row("bf16", k, r) for k, r in enumerate((205.0, 198.0, 210.0))]
+    runs += [run_row("amp", 0, 150.0)]
+    table = {(t["precision"], t["run"][-1]): t for t in report.build_table(runs)}
+    assert table[("tf32", "0")]["speedup_resolved"] is False
+    assert table[("bf16", "1")]["speedup_resolved"] is True
+    assert table[("amp", "0")]["speedup_resolved"] is None
+    assert table[("fp32", "0")]["speedup_resolved"] is None

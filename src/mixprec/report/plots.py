@@ -190,7 +190,7 @@ def study_plot(result: dict) -> bytes:
 
     from mixprec.report.curves import fitted_loss
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
     groups: dict[str, list] = {}
     for s in result["seeds"]:
         if not s.diverged and s.curve:
@@ -229,8 +229,41 @@ def study_plot(result: dict) -> bytes:
         ax.set_ylabel("val loss")
         ax.legend(fontsize=8)
     _time_to_target(axes[2], result)
+    _speedup_by_length(axes[3], result)
     fig.tight_layout()
     return png(fig)
+
+
+def _speedup_by_length(ax, result: dict) -> None:
+    """Each precision's loss-matched speedup at targets along the reference's run, with its
+    interval, and its rate ratio (time per step) as a dotted line: where the speedup falls
+    below the rate ratio, the precision learns less per step."""
+    points = result.get("by_length") or []
+    shown = False
+    for precision in sorted({r.precision for pt in points for r in pt["rows"]}):
+        if precision == result["reference"]:
+            continue
+        got = [(pt["step"], r) for pt in points for r in pt["rows"] if r.precision == precision]
+        got = [(x, r) for x, r in got if r.speedup]
+        if not got:
+            continue
+        colour = COLOURS.get(precision, "tab:olive")
+        xs, ys = [x for x, _ in got], [r.speedup for _, r in got]
+        lo = [r.speedup - r.interval[0] if r.interval else 0.0 for _, r in got]
+        hi = [r.interval[1] - r.speedup if r.interval else 0.0 for _, r in got]
+        ax.errorbar(xs, ys, yerr=[lo, hi], color=colour, marker="o", capsize=3, label=precision)
+        rates = [r.rate_ratio for _, r in got if r.rate_ratio]
+        if rates:
+            ax.axhline(rates[-1], color=colour, linestyle=":", linewidth=1)
+        shown = True
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel(f"reference step of the target ({result['reference']})")
+    ax.set_ylabel("loss-matched speedup")
+    ax.set_title("speedup against length (dotted: rate ratio)", fontsize=10)
+    if shown:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no precision to compare", ha="center", transform=ax.transAxes)
 
 
 def _time_to_target(ax, result: dict) -> None:

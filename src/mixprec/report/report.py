@@ -27,7 +27,7 @@ from mixprec.sinks import wandb as wandb_sink
 
 log = logging.getLogger(__name__)
 RATIOS = {  # the columns after each metric's: its spread, its ratio to the fp32 run
-    "samples_per_s": ("samples_per_s_spread", "speedup_vs_fp32", "within_noise"),
+    "samples_per_s": ("samples_per_s_spread", "speedup_vs_fp32", "speedup_resolved"),
     "peak_mem_gib": ("memory", "mem_saving_vs_fp32"),
     "max_batch": ("max_batch_vs_fp32",),
 }
@@ -71,6 +71,34 @@ def _baseline(r: dict, runs: list[dict]) -> dict | None:
     )
 
 
+def _config(run: dict) -> tuple:
+    """What a run is a repeat of: its settings less the seed (runs that differ in seed alone,
+    or the same command run again, are repeats of one configuration)."""
+    overrides = tuple(sorted(o for o in run.get("overrides", []) if not o.startswith("seed=")))
+    return overrides, run.get("model"), run.get("batch"), run.get("world_size")
+
+
+def resolved(run: dict, base: dict, runs: list[dict]) -> bool | None:
+    """Whether the run's configuration differs in samples/s from its fp32 baseline's, judged
+    against how much runs of one configuration differ: the 95 % Welch interval on the ratio
+    of their geometric means excludes 1. None ("not yet resolved") with fewer than two
+    completed runs of either: a run's own throughput windows say nothing of how much another
+    run of the same configuration would differ (on a CPU, tf32, a no-op there, read 1.23x
+    faster than fp32 from one run each)."""
+    from mixprec.report.curves import ratio_interval
+
+    rates = lambda key: [  # noqa: E731
+        _num(x.get("samples_per_s"))
+        for x in runs
+        if x.get("status") == "completed" and _num(x.get("samples_per_s")) and _config(x) == key
+    ]
+    mine, theirs = rates(_config(run)), rates(_config(base))
+    if len(mine) < 2 or len(theirs) < 2:
+        return None
+    _, interval = ratio_interval(mine, theirs)
+    return interval is not None and not interval[0] <= 1 <= interval[1]
+
+
 def build_table(runs: list[dict]) -> list[dict]:
     table = []
     for r in runs:
@@ -79,12 +107,8 @@ def build_table(runs: list[dict]) -> list[dict]:
         sps, mem = _num(r.get("samples_per_s")), _num(r.get("peak_mem_gib"))
         if base and sps:
             row["speedup_vs_fp32"] = sps / base["samples_per_s"]
-            noise = 2 * max(
-                _num(r.get("samples_per_s_spread")) or 0.0,
-                _num(base.get("samples_per_s_spread")) or 0.0,
-            )
-            if noise and base is not r:  # no further from 1 than the runs' own windows move
-                row["within_noise"] = abs(row["speedup_vs_fp32"] - 1) <= noise
+            if _config(base) != _config(r):  # (the baseline is not compared with itself)
+                row["speedup_resolved"] = resolved(r, base, runs)
         if base and mem and _num(base.get("peak_mem_gib")):
             row["mem_saving_vs_fp32"] = 1 - mem / base["peak_mem_gib"]
         if base and _num(r.get("max_batch")) and _num(base.get("max_batch")):
@@ -164,11 +188,18 @@ def notes(runs: list[dict]) -> str:
             "a GPU shows (float16 is emulated, TF32 does nothing), and memory is the "
             "process's resident memory (RSS), not GPU memory."
         )
-    if any(r.get("within_noise") for r in runs):
+    compared = [
+        r for r in runs if r.get("speedup_vs_fp32") is not None and "fp32" != r.get("precision")
+    ]
+    if any(r.get("speedup_resolved") is None for r in compared):
         out.append(
-            "`within_noise`: the speed-up is no further from 1 than twice the larger "
-            "spread of the two runs' own throughput windows; run longer or repeat "
-            "(seed=0,1,2) before reading a difference into it."
+            "`speedup_resolved`: a speed-up is resolved only against how much runs of one "
+            "configuration differ, so a configuration run once is not yet resolved (its "
+            "ratio is shown, and may be noise: one run's throughput windows do not say how "
+            "much another run would differ). Resolve it by repeating each configuration "
+            "(add seed=0,1,2 to the sweep, or run the same sweep again into another dir and "
+            "give both to python -m mixprec.report): `yes` where the 95 % interval of the "
+            "ratio excludes 1, `no` where it does not."
         )
     return "".join(f"> {line}\n>\n" for line in out).rstrip(">\n") + ("\n\n" if out else "")
 

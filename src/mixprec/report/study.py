@@ -131,6 +131,12 @@ class Row:
     diverged: list[str] = field(default_factory=list)
     verdict: str = ""
     paired: bool = False  # the interval over seeds paired with the reference's (else Welch's)
+    rate_ratio: float | None = None  # time per step, the reference's / this one's (paired)
+    rate_interval: tuple[float, float] | None = None
+    convergence: float | None = None  # steps to the target, the reference's / this one's
+    convergence_interval: tuple[float, float] | None = None
+    censored: list[str] = field(default_factory=list)  # seeds counted at a bound, not left out
+    crashed: list[str] = field(default_factory=list)  # runs that failed: named, left out
 
 
 def default_target(seeds: list[Seed], reference: str, budget: int | None = None) -> float:
@@ -171,20 +177,8 @@ def analyse(
     for s in seeds:
         s.fit = fit_curve(s.curve, fit_from) if smooth == "power" and not s.diverged else None
     target = default_target(seeds, reference, budget) if target is None else target
-    for s in seeds:
-        if s.diverged:
-            hit = None
-        elif s.fit:
-            hit = fitted_crossing(s.curve, s.fit, target)
-        else:
-            hit = crossing(s.curve, target)
-        s.steps_to, s.seconds_to = hit if hit else (None, None)
-    groups: dict[str, list[Seed]] = {}
-    for s in sorted(seeds, key=lambda s: (s.precision != reference, s.precision, s.seed)):
-        groups.setdefault(s.precision, []).append(s)
-    ref_times = {s.seed: s.seconds_to for s in groups.get(reference, []) if s.seconds_to}
-    ref_rate = mean_std([s.rate for s in groups.get(reference, []) if s.rate])
-    rows = [_row(p, g, ref_times, ref_rate, reference) for p, g in groups.items()]
+    _crossings(seeds, target)
+    rows = _rows(seeds, reference)
     return {
         "reference": reference,
         "target": target,
@@ -198,11 +192,71 @@ def analyse(
         "level": LEVEL,
         "rows": rows,
         "seeds": seeds,
+        "by_length": by_length(seeds, reference, budget),
     }
 
 
-def _row(precision: str, group: list[Seed], ref_times, ref_rate, reference: str) -> Row:
-    ok = [s for s in group if not s.diverged]
+def _crossings(seeds: list[Seed], target: float) -> None:
+    """Each seed's steps and seconds to `target` (None: not reached, or diverged)."""
+    for s in seeds:
+        if s.diverged:
+            hit = None
+        elif s.fit:
+            hit = fitted_crossing(s.curve, s.fit, target)
+        else:
+            hit = crossing(s.curve, target)
+        s.steps_to, s.seconds_to = hit if hit else (None, None)
+
+
+def _rows(seeds: list[Seed], reference: str) -> list[Row]:
+    """One Row per precision (the reference first), from each seed's crossing as it stands."""
+    groups: dict[str, list[Seed]] = {}
+    for s in sorted(seeds, key=lambda s: (s.precision != reference, s.precision, s.seed)):
+        groups.setdefault(s.precision, []).append(s)
+    ref = [s for s in groups.get(reference, []) if not _crashed(s)]
+    ref_times = {s.seed: s.seconds_to for s in ref if s.seconds_to}
+    ref_rate = mean_std([s.rate for s in ref if s.rate])
+    return [_row(p, g, ref_times, ref_rate, reference, ref) for p, g in groups.items()]
+
+
+FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+
+
+def by_length(seeds: list[Seed], reference: str, budget: int | None) -> list[dict]:
+    """The loss-matched speedup along the run: for each fraction f of the reference's budget
+    (its last evaluation without one), the target is the reference's loss at f x budget (the
+    worst seed's, as the main target is), and every precision is matched to it. Beside it, the
+    two factors: the rate ratio (time per step) and the convergence ratio (steps to the
+    target). Each seed's crossings are put back as they were for the main target."""
+    kept = [(s.steps_to, s.seconds_to) for s in seeds]
+    ref = [s for s in seeds if s.precision == reference and s.curve and not _crashed(s)]
+    end = budget or (min(s.curve[-1].step for s in ref) if ref else None)
+    out = []
+    for f in FRACTIONS if end else ():
+        step = max(1, round(f * end))
+        try:
+            target = default_target(seeds, reference, step)
+        except ConfigError:  # no reference seed evaluated that early
+            continue
+        _crossings(seeds, target)
+        rows = _rows(seeds, reference)
+        out.append({"fraction": f, "step": step, "target": target, "rows": rows})
+    for s, (steps, secs) in zip(seeds, kept):
+        s.steps_to, s.seconds_to = steps, secs
+    return out
+
+
+def _crashed(s: Seed) -> bool:
+    """A run that failed for another reason than divergence (a bug, OOM, a kill): it says
+    nothing about its precision's time to the target."""
+    return s.status not in ("completed", "preempted") and not s.diverged
+
+
+def _row(
+    precision: str, group: list[Seed], ref_times, ref_rate, reference: str, ref: list[Seed]
+) -> Row:
+    crashed = [s for s in group if _crashed(s)]
+    ok = [s for s in group if not s.diverged and s not in crashed]
     times = [s.seconds_to for s in ok if s.seconds_to]
     rate = mean_std([s.rate for s in ok if s.rate])
     row = Row(
@@ -220,18 +274,65 @@ def _row(precision: str, group: list[Seed], ref_times, ref_rate, reference: str)
         [f"seed {s.seed} (best {s.best:.4g})" for s in ok if not s.seconds_to and s.best],
         [f"seed {s.seed} ({s.run})" for s in group if s.diverged],
     )
+    row.crashed = [f"seed {s.seed} ({s.run}: {s.status})" for s in crashed]
+    _factors(row, [s for s in group if s not in crashed], ref)
     if precision == reference and times:
         row.speedup = 1.0  # by definition; its seeds' spread is in seconds_to
     elif times and ref_times:
-        mine = {s.seed: s.seconds_to for s in ok if s.seconds_to}
-        row.paired = len(mine) >= 2 and set(mine) == set(ref_times)
-        if row.paired:  # seed k of each precision: the same initial weights and batch order
-            ratios = [ref_times[k] / mine[k] for k in sorted(mine)]
-            row.speedup, row.interval = paired_interval(ratios)
-        else:
-            row.speedup, row.interval = ratio_interval(list(ref_times.values()), times)
+        _speedup(row, [s for s in group if s not in crashed], ref_times)
     row.verdict = verdict(row, reference)
     return row
+
+
+def _speedup(row: Row, seeds: list[Seed], ref_times: dict) -> None:
+    """The loss-matched speedup with its interval. A seed that never reaches the target or
+    diverged counts against its precision, censored: its time is at least its whole training
+    time and at least the slowest reaching seed's, so its ratio is at most the lowest ratio of
+    the seeds that reached: counting it can only lower the estimate, never raise it."""
+    mine = {s.seed: s.seconds_to for s in seeds if s.seconds_to}
+    censored = [s for s in seeds if not s.seconds_to and s.seed in ref_times]
+    row.censored = [f"seed {s.seed}" for s in censored]
+    keys = set(mine) | {s.seed for s in censored}
+    row.paired = len(keys) >= 2 and keys == set(ref_times)
+    if row.paired:  # seed k of each precision: the same initial weights and batch order
+        ratios = {k: ref_times[k] / mine[k] for k in mine}
+        low = min(ratios.values())
+        for s in censored:
+            ratios[s.seed] = min(low, ref_times[s.seed] / _spent(s))
+        row.speedup, row.interval = paired_interval([ratios[k] for k in sorted(ratios)])
+    else:
+        slowest = max(mine.values())
+        times = [*mine.values(), *(max(slowest, _spent(s)) for s in censored)]
+        row.speedup, row.interval = ratio_interval(list(ref_times.values()), times)
+
+
+def _spent(s: Seed) -> float:
+    """The training seconds a seed had when it stopped (its last evaluation's)."""
+    return s.curve[-1].train_s if s.curve and s.curve[-1].train_s else float("inf")
+
+
+def _factors(row: Row, seeds: list[Seed], ref: list[Seed]) -> None:
+    """The speedup apart: the rate ratio (the reference's seconds per step / this one's, each
+    seed's over its whole run) and the convergence ratio (the reference's steps to the target /
+    this one's), each the geometric mean over seeds paired by seed, with its interval."""
+    per_step = {s.seed: s.curve[-1].train_s / s.curve[-1].step for s in seeds if _timed(s)}
+    ref_step = {s.seed: s.curve[-1].train_s / s.curve[-1].step for s in ref if _timed(s)}
+    pairs = sorted(set(per_step) & set(ref_step))
+    if pairs:
+        row.rate_ratio, row.rate_interval = paired_interval(
+            [ref_step[k] / per_step[k] for k in pairs]
+        )
+    steps = {s.seed: s.steps_to for s in seeds if s.steps_to}
+    ref_steps = {s.seed: s.steps_to for s in ref if s.steps_to}
+    pairs = sorted(set(steps) & set(ref_steps))
+    if pairs:
+        row.convergence, row.convergence_interval = paired_interval(
+            [ref_steps[k] / steps[k] for k in pairs]
+        )
+
+
+def _timed(s: Seed) -> bool:
+    return bool(s.curve) and s.curve[-1].step > 0 and s.curve[-1].train_s > 0
 
 
 def verdict(row: Row, reference: str) -> str:
@@ -242,6 +343,8 @@ def verdict(row: Row, reference: str) -> str:
         return f"{p}: no seed reached the target ({', '.join(row.not_reached)})"
     tail = f"; not reached: {', '.join(row.not_reached)}" if row.not_reached else ""
     tail += f"; diverged: {', '.join(row.diverged)}" if row.diverged else ""
+    tail += f"; counted censored: {', '.join(row.censored)}" if row.censored else ""
+    tail += f"; crashed, left out: {', '.join(row.crashed)}" if row.crashed else ""
     if row.precision == reference:
         return f"{p} is the reference{tail}"
     if row.speedup is None:
@@ -377,10 +480,58 @@ def markdown(result: dict) -> str:
         )
     out.append("")
     out += [f"- {escape(r.verdict)}" for r in result["rows"]]
+    out += _length_table(result)
+    censored = sum(len(r.censored) for r in result["rows"])
+    out += [
+        "",
+        "A seed that never reaches a target, or diverges, counts against its precision "
+        "(censored): its time is at least its whole training time and at least the slowest "
+        "reaching seed's, so its ratio is at most the lowest of the seeds that reached it; "
+        f"at the main target this touched {censored} seed(s). A run that crashed (a bug, out "
+        "of memory, a kill) is named and left out.",
+    ]
     if result.get("left_out"):
         out += ["", "Left out (not counted as seeds):"]
         out += [f"- {escape(why)}" for why in result["left_out"]]
     return "\n".join(out) + "\n"
+
+
+def _ratio(v: float | None, iv: tuple | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.2f}" + (f" ({iv[0]:.2f}-{iv[1]:.2f})" if iv else "")
+
+
+def _length_table(result: dict) -> list[str]:
+    """Speedup against training length, with its two factors (the rate ratio is the same
+    at every length: time per step over the whole run)."""
+    points = result.get("by_length") or []
+    if not points:
+        return []
+    out = [
+        "",
+        "### Speedup against training length",
+        "",
+        "At each point the target is the reference's loss at that step (its worst seed's); "
+        "speedup = rate ratio (time per step) x convergence ratio (steps to the target), each "
+        f"the reference's over this one's with its {LEVEL:.0%} interval over seeds. A speedup "
+        "that falls along the run is a precision that learns less per step as it goes on.",
+        "",
+        "| reference step | target | precision | speedup | convergence ratio | rate ratio "
+        "| censored |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for pt in points:
+        for r in pt["rows"]:
+            if r.precision == result["reference"]:
+                continue
+            out.append(
+                f"| {pt['step']} ({pt['fraction']:.0%}) | {pt['target']:.4f} | "
+                f"{escape(r.precision)} | {_ratio(r.speedup, r.interval)} | "
+                f"{_ratio(r.convergence, r.convergence_interval)} | "
+                f"{_ratio(r.rate_ratio, r.rate_interval)} | {len(r.censored)} |"
+            )
+    return out
 
 
 def write(
@@ -400,6 +551,9 @@ def write(
     result = analyse(seeds, reference, target, budget, smooth, fit_from)
     result["left_out"] = left_out
     plain = {**result, "rows": [asdict(r) for r in result["rows"]]}
+    plain["by_length"] = [
+        {**pt, "rows": [asdict(r) for r in pt["rows"]]} for pt in result.get("by_length", [])
+    ]
     plain["seeds"] = [{**asdict(s), "curve": [asdict(p) for p in s.curve]} for s in seeds]
     from mixprec.report.plots import study_plot
 
