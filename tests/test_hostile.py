@@ -437,3 +437,24 @@ def test_uint16_ids_that_look_like_uint32_are_asked_about_and_read_when_said(tmp
         tokens.read(said, "train")
     said.dtype = "uint16"
     assert tokens.read(said, "train")[:4].tolist() == [1, 0, 1, 0]
+
+
+def test_a_completed_run_with_only_an_older_checkpoint_is_not_trained_again(cfg_factory):
+    """A run checkpointed at step 2 (a stop signal mid-run) and then completed at step 6 with
+    no checkpoint of its end (ckpt.at_end=false, the study presets): resume=auto again resumed
+    from step 2 and trained steps 3-6 again over its finished results; now it is done."""
+    cfg = cfg_factory(*CONST, "trainer.max_steps=2", "ckpt.every_steps=2")
+    run.run(cfg)
+    d = Path(cfg.run_dir)
+    done = cfg_factory(
+        *CONST, "trainer.max_steps=6", "ckpt.at_end=false", "resume=auto", f"run_dir={d}"
+    )
+    assert run.run(done)["steps"] == 6
+    before = {n: (d / n).read_bytes() for n in ("metrics.jsonl", "summary.json")}
+    assert sorted(p.name for p in (d / "checkpoints").glob("step_*")) == ["step_00000002.pt"]
+    again = run.run(
+        cfg_factory(
+            *CONST, "trainer.max_steps=6", "ckpt.at_end=false", "resume=auto", f"run_dir={d}"
+        )
+    )
+    assert again["steps"] == 6 and {n: (d / n).read_bytes() for n in before} == before

@@ -202,8 +202,7 @@ def test_a_job_that_raises_leaves_the_others_the_study_and_the_plots(tmp_path):
     assert p.returncode == 1, out[-3000:]
     assert "a bug in the user's model" in out
     assert (tmp_path / "study.json").is_file() and (tmp_path / "report_bars.png").is_file()
-    failed = [
-        r for r in report.read_runs(sorted(tmp_path.glob("[0-9]"))) if r["status"] != "completed"
-    ]
+    jobs = sorted(d for d in tmp_path.iterdir() if (d / ".hydra").is_dir())
+    failed = [r for r in report.read_runs(jobs) if r["status"] != "completed"]
     assert len(failed) == 2  # seed 1 of each precision
     assert all("RuntimeError: a bug in the user's model" in r["error"] for r in failed)

@@ -355,3 +355,149 @@ def test_a_crashed_seed_is_named_and_the_study_of_the_rest_written():
     row = analyse(seeds, "bf16")["rows"][1]
     assert row.crashed == ["seed 2 (fp8-2: failed)"] and "crashed, left out" in row.verdict
     assert row.speedup == pytest.approx(2.0) and row.censored == []
+
+
+def study_with_spread(n: int, sd: float) -> dict:
+    """A study of n seeds whose per-seed log speedups have mean log 2 and sample sd `sd`
+    exactly (standardised draws), so its paired interval's half-width is t(n-1) sd / sqrt(n)."""
+    import numpy as np
+
+    from mixprec.report.study import analyse
+
+    z = np.random.default_rng(n).standard_normal(n)
+    z = (z - z.mean()) / z.std(ddof=1)
+    seeds = [seed("bf16", i, [4.0, 3.0, 2.0]) for i in range(n)]
+    seeds += [
+        seed("fp8", i, [4.0, 3.0, 2.0], secs_per_step=float(np.exp(-np.log(2) - sd * z[i])))
+        for i in range(n)
+    ]
+    return analyse(seeds, "bf16", smooth="none")
+
+
+@pytest.mark.parametrize(
+    "max_seeds,stops_at,why", [(20, 14, "within ±0.06"), (10, 10, "max_seeds")]
+)
+def test_study_width_stops_at_the_seed_count_the_known_spread_implies(max_seeds, stops_at, why):
+    """sd 0.1 on the log scale and study.width=0.06: t(n-1) 0.1 / sqrt(n) is 0.0604 at 13 seeds
+    and 0.0577 at 14, so the driver's rule asks for 14 from 3 and stops there; capped at 10
+    by study.max_seeds, it stops at 10 and says so."""
+    from scipy.stats import t
+
+    from mixprec.report.study import half_widths, more_seeds
+
+    n, asked = 3, []
+    while True:
+        result = study_with_spread(n, 0.1)
+        widths = half_widths(result)
+        assert widths["fp8"] == pytest.approx(t.ppf(0.975, n - 1) * 0.1 / n**0.5, rel=1e-6)
+        following, said = more_seeds(result, n, 0.06, max_seeds)
+        if following is None:
+            break
+        asked.append(following)
+        n = following
+    assert n == stops_at and why in said, (asked, said)
+    assert asked[0] == stops_at  # the projection asks for the count at once, not one by one
+
+
+STUDY = [  # quality_cpu's mechanics on a smaller shape
+    "experiment=quality_cpu",
+    "trainer.max_steps=20",
+    "trainer.val_every=5",
+    "ckpt.every_steps=10",
+    "study.budget=15",
+    "batch=4",
+    "data.seq_len=16",
+    "data.val_sequences=8",
+    "model.kwargs.dim=32",
+    "model.kwargs.n_layers=1",
+    "model.kwargs.ffn_dim=64",
+    "logger=none",
+]
+
+
+def trained_in(out: str) -> list[str]:
+    """The jobs of a sweep's output that trained (from scratch or from a checkpoint)."""
+    import re
+
+    return re.findall(r"-> \S+/([a-z0-9]+-seed\d)", out)
+
+
+@pytest.mark.slow
+def test_an_interrupted_study_run_again_trains_only_what_is_missing_or_unfinished(tmp_path):
+    """SIGTERM to the study's process group as its second run trains: that run checkpoints and
+    the sweep stops. The same command again trains the rest: not the finished run, the stopped
+    one from its checkpoint, the two never started; a third time trains nothing."""
+    import json
+    import os
+    import signal
+    import time
+
+    from conftest import finish, start_train
+
+    # (long enough that the signal lands while the second run trains: 200 steps after step 5)
+    args = [*STUDY, "trainer.max_steps=200", "seed=0,1", f"hydra.sweep.dir={tmp_path}"]
+    proc = start_train(args, merge=True)
+    second = tmp_path / "fp32-seed1" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (second.exists() and '"step": 5' in second.read_text()):
+        assert proc.poll() is None and time.time() < deadline, finish(proc, 10)[0][-3000:]
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = finish(proc, 120)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    first = (tmp_path / "fp32-seed0" / "summary.json").read_text()
+    assert json.loads(first)["status"] == "completed"
+    assert json.loads((second.parent / "summary.json").read_text())["status"] == "preempted"
+
+    again = run_train(args)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    said = again.stdout + again.stderr
+    assert sorted(trained_in(said)) == ["bf16-seed0", "bf16-seed1", "fp32-seed1"], said[-3000:]
+    assert "resumed from" in (tmp_path / "fp32-seed1" / "train.log").read_text() or (
+        f"resumed from {tmp_path}/fp32-seed1" in said
+    )
+    assert (tmp_path / "fp32-seed0" / "summary.json").read_text() == first
+    result = json.loads((tmp_path / "study.json").read_text())
+    assert all(r["seeds"] == 2 for r in result["rows"]) and result["by_length"]
+
+    third = run_train(args)
+    assert third.returncode == 0 and trained_in(third.stdout + third.stderr) == []
+
+
+@pytest.mark.slow
+def test_the_study_runs_its_seeds_until_its_width_or_max_seeds(tmp_path):
+    """python -m mixprec.study run: 3 seeds, then the count the widest interval asks for (here
+    capped at 4 by study.max_seeds), the 3 finished seeds not trained again; study.md says what
+    stopped it and what one more seed would buy."""
+    import json
+
+    from conftest import run_module
+
+    args = [*STUDY, "study.width=0.001", "study.max_seeds=4", f"hydra.sweep.dir={tmp_path}"]
+    p = run_module("mixprec.study", ["run", *args], timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "study: 3 seeds:" in out and "study: 4 seeds: study.max_seeds=4 reached" in out
+    assert len(trained_in(out)) == 8  # 6, then the 2 of seed 3 alone
+    assert sorted(d.name for d in tmp_path.iterdir() if d.is_dir()) == sorted(
+        f"{p}-seed{k}" for p in ("fp32", "bf16") for k in range(4)
+    )
+    seeding = json.loads((tmp_path / "study.json").read_text())["seeding"]
+    assert seeding["seeds"] == 4 and seeding["one_more"] < seeding["widest"]
+    assert "### Seeds" in (tmp_path / "study.md").read_text()
+
+
+@pytest.mark.slow
+def test_two_processes_run_one_study_side_by_side_each_run_once(tmp_path):
+    """The same study command in two processes at once (two GPUs, two sessions): each takes
+    the runs the other holds not, a run in use is left to its process, and every run is
+    trained exactly once."""
+    from conftest import completed, start_train
+
+    args = [*STUDY, "seed=0,1", f"hydra.sweep.dir={tmp_path}"]
+    procs = [start_train(args, merge=True) for _ in range(2)]
+    outs = [completed(p, 600) for p in procs]
+    assert all(o.returncode == 0 for o in outs), [o.stdout[-2000:] for o in outs]
+    trained = [job for o in outs for job in trained_in(o.stdout)]
+    assert sorted(trained) == sorted(f"{p}-seed{k}" for p in ("fp32", "bf16") for k in range(2))
+    assert (tmp_path / "study.json").is_file()

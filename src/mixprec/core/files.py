@@ -196,6 +196,24 @@ def link_atomic(target: Path, path: Path) -> Path:
     return path
 
 
+def locked(path: Path) -> bool:
+    """Whether a live process holds a flock on `path` now (a run dir's .lock: the run is being
+    written); False where the file is missing or free."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def sync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:

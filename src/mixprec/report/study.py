@@ -74,6 +74,8 @@ class StudyConfig:
     budget: Optional[int] = MISSING  # the reference's loss at this step is the target; null: last
     smooth: str = MISSING  # power: crossings read from a fitted curve per seed; none: raw
     fit_from: Optional[int] = MISSING  # the first step fitted; null: 10 % of the last step
+    width: Optional[float] = MISSING  # seeds added until every half-width (log) is this; null
+    max_seeds: int = MISSING  # ... or until this many seeds (python -m mixprec.study run)
 
     def __post_init__(self) -> None:
         check(self.target is None or self.target > 0, "study.target", self.target, "null or > 0")
@@ -84,6 +86,13 @@ class StudyConfig:
             self.fit_from,
             "null (10 % of the last step) or an optimizer step >= 1",
         )
+        check(
+            self.width is None or 0 < self.width < 1,
+            "study.width",
+            self.width,
+            "null or a half-width on the log scale in (0, 1), e.g. 0.05 (a speedup within ~5 %)",
+        )
+        check(self.max_seeds >= 2, "study.max_seeds", self.max_seeds, "an int >= 2")
         check(
             self.budget is None or self.budget >= 1,
             "study.budget",
@@ -375,7 +384,9 @@ def read_seeds(sweep_dir: Path, left_out: list[str] | None = None) -> list[Seed]
     read: dict[tuple[str, int], str] = {}  # (precision, seed) -> the run it was read from
     for run in find_runs([sweep_dir]):
         seed, why = _seed_of(run, local)
-        if seed is not None and (seed.precision, seed.seed) in read:
+        if seed is not None and seed.status == "running":
+            why = f"{seed.precision} seed {seed.seed} is still running in another process"
+        elif seed is not None and (seed.precision, seed.seed) in read:
             first = read[(seed.precision, seed.seed)]
             why = f"{seed.precision} seed {seed.seed} again (read from {first}: a copy?)"
         if why:
@@ -494,6 +505,52 @@ def markdown(result: dict) -> str:
         out += ["", "Left out (not counted as seeds):"]
         out += [f"- {escape(why)}" for why in result["left_out"]]
     return "\n".join(out) + "\n"
+
+
+FIRST_SEEDS = 3  # python -m mixprec.study run starts here (an interval needs 2; 3 is the norm)
+
+
+def half_widths(result: dict) -> dict[str, float]:
+    """Each speedup's 95 % half-width on the log scale, at the main target and along the run
+    ({"fp8 @ step 150": 0.04, ...}); one with a speedup and no interval (one seed) is infinite.
+    Precisions no seed of which reached a target have none, and are not waited for."""
+    out = {}
+    points = [(None, result["rows"]), *((pt["step"], pt["rows"]) for pt in result["by_length"])]
+    for step, rows in points:
+        for r in rows:
+            if r.precision == result["reference"] or r.speedup is None:
+                continue
+            name = r.precision + (f" @ step {step}" if step is not None else "")
+            lo, hi = r.interval or (None, None)
+            out[name] = (math.log(hi) - math.log(lo)) / 2 if lo else math.inf
+    return out
+
+
+def more_seeds(result: dict, seeds: int, width: float, max_seeds: int) -> tuple[int | None, str]:
+    """How many seeds the study should have next (None: stop), and why. It stops on the widths
+    of the intervals alone, never on where they lie (an interval that decides when to stop by
+    its own position is no longer a 95 % interval). Otherwise the count the widest interval
+    implies: a t interval's half-width goes as t(n-1) / sqrt(n) for the same spread."""
+    widths = half_widths(result)
+    widest = max(widths.values(), default=0.0)
+    if widest <= width:
+        return None, f"every interval is within ±{width:g} (log; the widest {widest:.3f})"
+    if seeds >= max_seeds:
+        return None, f"study.max_seeds={max_seeds} reached (the widest interval ±{widest:.3f})"
+    need = seeds + 1
+    while need < max_seeds and projected(widest, seeds, need) > width:
+        need += 1
+    return need, f"the widest interval is ±{widest:.3f} at {seeds} seeds: {need} should do"
+
+
+def projected(half: float, seeds: int, more: int) -> float:
+    """A half-width at `seeds` seeds projected to `more` with the same spread."""
+    from scipy.stats import t
+
+    if not math.isfinite(half):
+        return half
+    q = lambda n: t.ppf(0.5 + LEVEL / 2, n - 1) / math.sqrt(n)  # noqa: E731
+    return half * q(more) / q(seeds)
 
 
 def _ratio(v: float | None, iv: tuple | None) -> str:

@@ -129,7 +129,7 @@ def failures(sweep_dir: Path) -> list[tuple[str, int, str]]:
     out = []
     for run in find_runs([sweep_dir]) if sweep_dir.is_dir() else []:
         row = read_run(run, run.name)
-        if row.get("status") != "completed":
+        if row.get("status") not in ("completed", "running"):  # (running: another process's)
             out.append(
                 (run.name, int(row.get("exit_code") or 1), row.get("error") or row["status"])
             )

@@ -123,6 +123,12 @@ def _unlink_if_free(lock: Path) -> bool:
     return True
 
 
+def busy(run_dir: Path) -> bool:
+    """Whether a live process holds the run dir's lock now (a glance: it may take it a moment
+    later, when RunDirLock says so)."""
+    return files.locked(run_dir / ".lock")
+
+
 def _read_holder(fd: int) -> str:
     try:
         info = json.loads(os.pread(fd, 4096, 0) or b"{}")

@@ -19,6 +19,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from mixprec import sinks
 from mixprec.checkpoint import store as checkpoint
+from mixprec.checkpoint.dcp import step_of
 from mixprec.compile import compiling
 from mixprec.core import files, hardware, launch
 from mixprec.core.errors import (
@@ -28,6 +29,7 @@ from mixprec.core.errors import (
     MixprecError,
     OutOfMemory,
     Preempted,
+    RunDirBusy,
 )
 from mixprec.diagnostics import audit as diagnose
 from mixprec.diagnostics import dtype_plan, memory
@@ -55,6 +57,9 @@ def main(cfg: DictConfig) -> float | None:
     try:
         value = run(cfg)[cfg.objective]
     except MixprecError as e:
+        if left_to_another(e, cfg):  # a study spread over processes: another one trains it
+            log.info("%s; it is left to that process", e)
+            return None
         # a stop signal ends an in-process sweep; a job in its own process (SLURM) just ends
         if launch.multirun() and (launch.own_process() or not isinstance(e, Preempted)):
             summary.record_refusal(cfg, e)
@@ -89,15 +94,23 @@ def run(cfg: DictConfig) -> dict:
     journal = rundir.Journal()
     run_dir = Path(OmegaConf.select(cfg, "run_dir", default=".", throw_on_missing=False) or ".")
     try:
-        if launch.multirun() and not rundir.holds_a_run(run_dir):
+        if launch.multirun() and not rundir.holds_a_run(run_dir) and not rundir.busy(run_dir):
             journal.accept(run_dir, cfg)  # a new job's dir: the report reads it, failed or not
         return _run(cfg, journal)
     except MixprecError as e:
-        if not getattr(e, "reported", False):  # a run that trained reported it above its result
+        # (a run that trained reported it above its result)
+        if not getattr(e, "reported", False) and not left_to_another(e, cfg):
             log.error("%s: %s", e.label, e)
         raise
     finally:
         journal.close(run_dir)
+
+
+def left_to_another(e: MixprecError, cfg) -> bool:
+    """A job of a sweep with resume=auto whose run dir another live process holds: the same
+    study run by several processes side by side (two GPUs, two sessions), each taking the jobs
+    the others have not; not this process's failure."""
+    return isinstance(e, RunDirBusy) and launch.multirun() and cfg.get("resume") == "auto"
 
 
 def release_earlier_jobs() -> None:
@@ -237,24 +250,28 @@ class Session:
         return blob
 
     def _completed_without_checkpoint(self) -> dict | None:
-        """resume=auto of a run whose summary says completed and that left no checkpoint
-        (ckpt.at_end=false: the table presets): its summary is the proof that it finished, so
-        there is nothing to do (training it again from scratch would replace its results)."""
+        """resume=auto of a run whose summary says completed and that left no checkpoint of its
+        end (ckpt.at_end=false: the table and study presets; a checkpoint a stop signal wrote
+        mid-run, older than the step it completed at, is no end): its summary is the proof that
+        it finished, so there is nothing to do (training it again would replace its results; a
+        study run again skips it)."""
         p = self.p
         path = p.run_dir / "summary.json"
         if p.config.resume != "auto" or not path.exists():
             return None
-        if checkpoint.latest(self.ckpt.parent) or checkpoint.leftovers(self.ckpt.parent):
-            return None  # a checkpoint to continue from (or to refuse over): _resume's
         try:
             done = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
         if not isinstance(done, dict) or done.get("status") != "completed":
             return None
+        if checkpoint.latest(self.ckpt.parent) or checkpoint.leftovers(self.ckpt.parent):
+            written = [step_of(c) for c in self.ckpt.parent.glob("*step_*")]
+            if not written or max(written) >= (done.get("steps") or 0):
+                return None  # a checkpoint of its end, or only leftovers to refuse: _resume's
         log.info(
-            "resume=auto: %s says this run completed (step %s) and it kept no checkpoint "
-            "(ckpt.at_end=false); nothing to do",
+            "resume=auto: %s says this run completed (step %s) and it kept no checkpoint of "
+            "its end (ckpt.at_end=false); nothing to do",
             path,
             done.get("steps"),
         )

@@ -62,10 +62,12 @@ def read(run_dir: Path) -> dict:
         why = f"{path} holds a {type(summary).__name__}, not a summary"
     if isinstance(summary, dict):
         return summary
+    if files.locked(run_dir / ".lock"):  # no summary yet: another process is training it
+        why = "still running (its run dir is locked by a live process)"
     cfg = run_config(run_dir) or {}
     precision = cfg.get("precision")
     return make(
-        status="failed",
+        status="running" if why.startswith("still running") else "failed",
         precision=precision.get("name") if isinstance(precision, dict) else None,
         batch=cfg.get("batch"),
         error=why,
