@@ -383,7 +383,7 @@ def test_study_width_stops_at_the_seed_count_the_known_spread_implies(max_seeds,
     by study.max_seeds, it stops at 10 and says so."""
     from scipy.stats import t
 
-    from mixprec.report.study import half_widths, more_seeds
+    from mixprec.report.seeds import half_widths, more_seeds
 
     n, asked = 3, []
     while True:

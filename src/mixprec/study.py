@@ -22,6 +22,7 @@ TRAIN = Path(__file__).resolve().parents[2] / "train.py"
 def run(overrides: list[str]) -> int:
     """The driver's loop; returns the exit code of the last sweep (0 where every job ran)."""
     from mixprec.core.errors import ConfigError
+    from mixprec.report import seeds as seeding
     from mixprec.report import study
     from mixprec.run.config import compose_config, validate
 
@@ -40,7 +41,7 @@ def run(overrides: list[str]) -> int:
         )
     given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.sweep.dir=")]
     sweep = Path(given[-1] if given else f"outputs/studies/{c.name}")
-    seeds, why, code = min(study.FIRST_SEEDS, c.study.max_seeds), "", 0
+    seeds, why, code = min(seeding.FIRST_SEEDS, c.study.max_seeds), "", 0
     while True:
         code = _sweep(overrides, sweep, seeds)
         if not (sweep / "study.json").is_file():  # the sweep wrote no study: it said why
@@ -53,7 +54,7 @@ def run(overrides: list[str]) -> int:
             c.study.smooth,
             c.study.fit_from,
         )
-        following, why = study.more_seeds(result, seeds, c.study.width, c.study.max_seeds)
+        following, why = seeding.more_seeds(result, seeds, c.study.width, c.study.max_seeds)
         print(f"study: {seeds} seeds: {why}", flush=True)
         if following is None:
             break
@@ -73,11 +74,11 @@ def _sweep(overrides: list[str], sweep: Path, seeds: int) -> int:
 def _say(sweep: Path, result: dict, seeds: int, why: str) -> None:
     """study.md and study.json: how many seeds, what stopped it, what one more would buy."""
     from mixprec.core import files
-    from mixprec.report import study
+    from mixprec.report import seeds as seeding
 
-    widths = study.half_widths(result)
+    widths = seeding.half_widths(result)
     widest = max(widths.values(), default=0.0)
-    more = study.projected(widest, seeds, seeds + 1)
+    more = seeding.projected(widest, seeds, seeds + 1)
     said = {"seeds": seeds, "stopped": why, "widest": widest, "one_more": more}
     text = (sweep / "study.md").read_text() + (
         f"\n### Seeds\n\n{seeds} seeds of each precision: {why}. One more seed would likely "

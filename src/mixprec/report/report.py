@@ -271,11 +271,8 @@ def write(
     w.writeheader()
     w.writerows(table)
     files.write_together({out_dir / "report.md": text, out_dir / "report.csv": sheet.getvalue()})
-    written = [
-        out_dir / "report.md",
-        out_dir / "report.csv",
-        *(draw(runs, out_dir) if plots else []),
-    ]
+    plotted = draw(runs, out_dir) if plots else []
+    written = [out_dir / "report.md", out_dir / "report.csv", *plotted]
     if studied.exists() and (out_dir / "study.png").exists():
         written.append(out_dir / "study.png")
     if echo:

@@ -60,7 +60,8 @@ from mixprec.report.curves import (  # noqa: F401 (crossing, ratio_interval: the
     paired_interval,
     ratio_interval,
 )
-from mixprec.report.report import escape
+from mixprec.report.seeds import Seed, crashed_run, read_seeds
+from mixprec.report.study_md import markdown
 
 SMOOTH = ("power", "none")
 
@@ -99,26 +100,6 @@ class StudyConfig:
             self.budget,
             "null (the last evaluation) or an optimizer step >= 1",
         )
-
-
-@dataclass
-class Seed:
-    """One run of the study: a precision at one seed."""
-
-    precision: str
-    seed: int
-    run: str
-    status: str
-    curve: list[Point]
-    rate: float | None = None  # tokens/s (or samples/s): steady state, the run alone on its GPU
-    peak_gib: float | None = None
-    skipped: int | None = None
-    diverged: bool = False
-    final: float | None = None
-    best: float | None = None
-    steps_to: float | None = None  # to the target; None: not reached
-    seconds_to: float | None = None
-    fit: dict | None = None  # smooth=power: a, b, c, s0, the steps fitted, the RMS residual
 
 
 @dataclass
@@ -222,7 +203,7 @@ def _rows(seeds: list[Seed], reference: str) -> list[Row]:
     groups: dict[str, list[Seed]] = {}
     for s in sorted(seeds, key=lambda s: (s.precision != reference, s.precision, s.seed)):
         groups.setdefault(s.precision, []).append(s)
-    ref = [s for s in groups.get(reference, []) if not _crashed(s)]
+    ref = [s for s in groups.get(reference, []) if not crashed_run(s)]
     ref_times = {s.seed: s.seconds_to for s in ref if s.seconds_to}
     ref_rate = mean_std([s.rate for s in ref if s.rate])
     return [_row(p, g, ref_times, ref_rate, reference, ref) for p, g in groups.items()]
@@ -238,7 +219,7 @@ def by_length(seeds: list[Seed], reference: str, budget: int | None) -> list[dic
     two factors: the rate ratio (time per step) and the convergence ratio (steps to the
     target). Each seed's crossings are put back as they were for the main target."""
     kept = [(s.steps_to, s.seconds_to) for s in seeds]
-    ref = [s for s in seeds if s.precision == reference and s.curve and not _crashed(s)]
+    ref = [s for s in seeds if s.precision == reference and s.curve and not crashed_run(s)]
     end = budget or (min(s.curve[-1].step for s in ref) if ref else None)
     out = []
     for f in FRACTIONS if end else ():
@@ -255,16 +236,10 @@ def by_length(seeds: list[Seed], reference: str, budget: int | None) -> list[dic
     return out
 
 
-def _crashed(s: Seed) -> bool:
-    """A run that failed for another reason than divergence (a bug, OOM, a kill): it says
-    nothing about its precision's time to the target."""
-    return s.status not in ("completed", "preempted") and not s.diverged
-
-
 def _row(
     precision: str, group: list[Seed], ref_times, ref_rate, reference: str, ref: list[Seed]
 ) -> Row:
-    crashed = [s for s in group if _crashed(s)]
+    crashed = [s for s in group if crashed_run(s)]
     ok = [s for s in group if not s.diverged and s not in crashed]
     times = [s.seconds_to for s in ok if s.seconds_to]
     rate = mean_std([s.rate for s in ok if s.rate])
@@ -370,225 +345,6 @@ def verdict(row: Row, reference: str) -> str:
         f"{p} reaches the target {row.speedup:.2f}x as fast as {reference} "
         f"({LEVEL:.0%} interval {lo:.2f}-{hi:.2f}){tail}"
     )
-
-
-def read_seeds(sweep_dir: Path, left_out: list[str] | None = None) -> list[Seed]:
-    """Every run of the sweep: its precision, seed, rate and validation curve. A run that
-    cannot be counted (its config unreadable, a summary.json that is another run's, a second
-    run of a precision and seed already read: a copied job dir) is left out, and why is
-    appended to `left_out`."""
-    from mixprec.report.runs import find_runs
-    from mixprec.sinks import local
-
-    seeds: list[Seed] = []
-    read: dict[tuple[str, int], str] = {}  # (precision, seed) -> the run it was read from
-    for run in find_runs([sweep_dir]):
-        seed, why = _seed_of(run, local)
-        if seed is not None and seed.status == "running":
-            why = f"{seed.precision} seed {seed.seed} is still running in another process"
-        elif seed is not None and (seed.precision, seed.seed) in read:
-            first = read[(seed.precision, seed.seed)]
-            why = f"{seed.precision} seed {seed.seed} again (read from {first}: a copy?)"
-        if why:
-            if left_out is not None:
-                left_out.append(f"{run.name}: {why}")
-            continue
-        read[(seed.precision, seed.seed)] = run.name
-        seeds.append(seed)
-    return seeds
-
-
-def _seed_of(run: Path, local) -> tuple[Seed | None, str | None]:
-    """The run as a seed of the study, or why it cannot be one."""
-    cfg = local.run_config(run)
-    if cfg is None:
-        return None, "its .hydra/config.yaml is missing or not a config"
-    s = local.read(run)
-    group = cfg.get("precision")
-    precision = str(group.get("name") if isinstance(group, dict) else group)
-    seed = cfg.get("seed", 0)
-    if not isinstance(seed, int):
-        return None, f"its config's seed is {seed!r}, not an int"
-    said_precision, said_seed = s.get("precision"), s.get("seed")
-    if (said_precision is not None and str(said_precision) != precision) or (
-        said_seed is not None and said_seed != seed
-    ):
-        return None, (
-            f"its summary.json is another run's (precision {said_precision}, seed {said_seed}; "
-            f"its config: {precision}, seed {seed})"
-        )
-    rows = local.read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
-    curve = [
-        Point(r["step"], local.number(r.get("time/train_s")) or 0.0, float(r["val/loss"]))
-        for r in rows
-        if isinstance(r.get("val/loss"), (int, float))
-    ]
-    finite = [p.loss for p in curve if math.isfinite(p.loss)]
-    diverged = s.get("exit_code") == 3 or (bool(curve) and not math.isfinite(curve[-1].loss))
-    seed_ = Seed(
-        precision=precision,
-        seed=seed,
-        run=run.name,
-        status=str(s.get("status")),
-        curve=curve,
-        rate=local.number(s.get("tokens_per_s")) or local.number(s.get("samples_per_s")),
-        peak_gib=local.number(s.get("peak_mem_gib")),
-        skipped=s.get("skipped_steps") if isinstance(s.get("skipped_steps"), int) else None,
-        diverged=diverged,
-        final=curve[-1].loss if curve and not diverged else None,
-        best=min(finite) if finite else None,
-    )
-    return seed_, None
-
-
-def _pm(v: tuple | None, fmt: str = "{:.4f}") -> str:
-    return "-" if v is None else f"{fmt.format(v[0])} ± {fmt.format(v[1])}"
-
-
-def _interval(r: Row) -> str:
-    if r.interval is None:
-        return "-"
-    return f"{r.interval[0]:.2f}-{r.interval[1]:.2f}{'' if r.paired else ' (W)'}"
-
-
-def markdown(result: dict) -> str:
-    ref, target, budget = result["reference"], result["target"], result.get("budget")
-    where = f"its seeds' worst at step {budget}" if budget else "its seeds' worst final"
-    if result.get("smooth", "none") == "power":
-        fits = [s.fit for s in result["seeds"] if s.fit]
-        how = (
-            "read from each seed's fit L = a + b s^-c to its evaluations from step "
-            f"{min(f['first'] for f in fits) if fits else '-'} (largest RMS residual "
-            f"{max((f['rms'] for f in fits), default=float('nan')):.4f})"
-        )
-        if result.get("unfitted"):
-            how += f"; not fitted, raw crossings: {escape(', '.join(result['unfitted']))}"
-    else:
-        how = "interpolated between evaluations"
-    out = [
-        f"## Time to the same quality (reference {escape(ref)}, target val loss {target:.4f}: "
-        f"{where})\n",
-        "Training seconds to the target (steps only: evaluation, checkpoints and the first "
-        f"step's compile left out), {how}; speedup = the reference's time / this one's, "
-        f"the geometric mean over seeds with a {LEVEL:.0%} paired t interval on the per-seed "
-        "log ratios (seed k of every precision starts from the same weights and sees the same "
-        "batches), or Welch's t on the log times where the seeds do not pair (marked W). "
-        "Rates: steady state, each run alone on its device.\n",
-        "| precision | seeds | tokens/s (samples/s) | raw rate vs ref | final val loss | "
-        "steps to target | seconds to target | loss-matched speedup | interval | skipped "
-        "| peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["rows"]:
-        out.append(
-            f"| {escape(r.precision)} | {r.seeds} | {_pm(r.rate, '{:,.0f}')} | "
-            f"{'-' if r.rate_vs_ref is None else f'{r.rate_vs_ref:.2f}'} | {_pm(r.final)} | "
-            f"{'-' if r.steps_to is None else f'{r.steps_to:.0f}'} | "
-            f"{_pm(r.seconds_to, '{:.1f}')} | "
-            f"{'-' if r.speedup is None else f'**{r.speedup:.2f}**'} | "
-            f"{_interval(r)} | "
-            f"{r.skipped} | {'-' if r.peak_gib is None else f'{r.peak_gib:.1f}'} |"
-        )
-    out.append("")
-    out += [f"- {escape(r.verdict)}" for r in result["rows"]]
-    out += _length_table(result)
-    censored = sum(len(r.censored) for r in result["rows"])
-    out += [
-        "",
-        "A seed that never reaches a target, or diverges, counts against its precision "
-        "(censored): its time is at least its whole training time and at least the slowest "
-        "reaching seed's, so its ratio is at most the lowest of the seeds that reached it; "
-        f"at the main target this touched {censored} seed(s). A run that crashed (a bug, out "
-        "of memory, a kill) is named and left out.",
-    ]
-    if result.get("left_out"):
-        out += ["", "Left out (not counted as seeds):"]
-        out += [f"- {escape(why)}" for why in result["left_out"]]
-    return "\n".join(out) + "\n"
-
-
-FIRST_SEEDS = 3  # python -m mixprec.study run starts here (an interval needs 2; 3 is the norm)
-
-
-def half_widths(result: dict) -> dict[str, float]:
-    """Each speedup's 95 % half-width on the log scale, at the main target and along the run
-    ({"fp8 @ step 150": 0.04, ...}); one with a speedup and no interval (one seed) is infinite.
-    Precisions no seed of which reached a target have none, and are not waited for."""
-    out = {}
-    points = [(None, result["rows"]), *((pt["step"], pt["rows"]) for pt in result["by_length"])]
-    for step, rows in points:
-        for r in rows:
-            if r.precision == result["reference"] or r.speedup is None:
-                continue
-            name = r.precision + (f" @ step {step}" if step is not None else "")
-            lo, hi = r.interval or (None, None)
-            out[name] = (math.log(hi) - math.log(lo)) / 2 if lo else math.inf
-    return out
-
-
-def more_seeds(result: dict, seeds: int, width: float, max_seeds: int) -> tuple[int | None, str]:
-    """How many seeds the study should have next (None: stop), and why. It stops on the widths
-    of the intervals alone, never on where they lie (an interval that decides when to stop by
-    its own position is no longer a 95 % interval). Otherwise the count the widest interval
-    implies: a t interval's half-width goes as t(n-1) / sqrt(n) for the same spread."""
-    widths = half_widths(result)
-    widest = max(widths.values(), default=0.0)
-    if widest <= width:
-        return None, f"every interval is within ±{width:g} (log; the widest {widest:.3f})"
-    if seeds >= max_seeds:
-        return None, f"study.max_seeds={max_seeds} reached (the widest interval ±{widest:.3f})"
-    need = seeds + 1
-    while need < max_seeds and projected(widest, seeds, need) > width:
-        need += 1
-    return need, f"the widest interval is ±{widest:.3f} at {seeds} seeds: {need} should do"
-
-
-def projected(half: float, seeds: int, more: int) -> float:
-    """A half-width at `seeds` seeds projected to `more` with the same spread."""
-    from scipy.stats import t
-
-    if not math.isfinite(half):
-        return half
-    q = lambda n: t.ppf(0.5 + LEVEL / 2, n - 1) / math.sqrt(n)  # noqa: E731
-    return half * q(more) / q(seeds)
-
-
-def _ratio(v: float | None, iv: tuple | None) -> str:
-    if v is None:
-        return "-"
-    return f"{v:.2f}" + (f" ({iv[0]:.2f}-{iv[1]:.2f})" if iv else "")
-
-
-def _length_table(result: dict) -> list[str]:
-    """Speedup against training length, with its two factors (the rate ratio is the same
-    at every length: time per step over the whole run)."""
-    points = result.get("by_length") or []
-    if not points:
-        return []
-    out = [
-        "",
-        "### Speedup against training length",
-        "",
-        "At each point the target is the reference's loss at that step (its worst seed's); "
-        "speedup = rate ratio (time per step) x convergence ratio (steps to the target), each "
-        f"the reference's over this one's with its {LEVEL:.0%} interval over seeds. A speedup "
-        "that falls along the run is a precision that learns less per step as it goes on.",
-        "",
-        "| reference step | target | precision | speedup | convergence ratio | rate ratio "
-        "| censored |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for pt in points:
-        for r in pt["rows"]:
-            if r.precision == result["reference"]:
-                continue
-            out.append(
-                f"| {pt['step']} ({pt['fraction']:.0%}) | {pt['target']:.4f} | "
-                f"{escape(r.precision)} | {_ratio(r.speedup, r.interval)} | "
-                f"{_ratio(r.convergence, r.convergence_interval)} | "
-                f"{_ratio(r.rate_ratio, r.rate_interval)} | {len(r.censored)} |"
-            )
-    return out
 
 
 def write(

@@ -1,0 +1,153 @@
+"""The study's seeds: each run of a sweep read as one seed of its precision (its own config and
+summary, its validation curve), what leaves a run out (a copy, another run's summary, a run
+still training elsewhere), and how many seeds the study needs for its intervals to be as narrow
+as asked (python -m mixprec.study run)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from mixprec.report.curves import LEVEL, Point
+
+
+@dataclass
+class Seed:
+    """One run of the study: a precision at one seed."""
+
+    precision: str
+    seed: int
+    run: str
+    status: str
+    curve: list[Point]
+    rate: float | None = None  # tokens/s (or samples/s): steady state, the run alone on its GPU
+    peak_gib: float | None = None
+    skipped: int | None = None
+    diverged: bool = False
+    final: float | None = None
+    best: float | None = None
+    steps_to: float | None = None  # to the target; None: not reached
+    seconds_to: float | None = None
+    fit: dict | None = None  # smooth=power: a, b, c, s0, the steps fitted, the RMS residual
+
+
+def crashed_run(s: Seed) -> bool:
+    """A run that failed for another reason than divergence (a bug, OOM, a kill): it says
+    nothing about its precision's time to the target."""
+    return s.status not in ("completed", "preempted") and not s.diverged
+
+
+def read_seeds(sweep_dir: Path, left_out: list[str] | None = None) -> list[Seed]:
+    """Every run of the sweep: its precision, seed, rate and validation curve. A run that
+    cannot be counted (its config unreadable, a summary.json that is another run's, a second
+    run of a precision and seed already read: a copied job dir) is left out, and why is
+    appended to `left_out`."""
+    from mixprec.report.runs import find_runs
+    from mixprec.sinks import local
+
+    seeds: list[Seed] = []
+    read: dict[tuple[str, int], str] = {}  # (precision, seed) -> the run it was read from
+    for run in find_runs([sweep_dir]):
+        seed, why = _seed_of(run, local)
+        if seed is not None and seed.status == "running":
+            why = f"{seed.precision} seed {seed.seed} is still running in another process"
+        elif seed is not None and (seed.precision, seed.seed) in read:
+            first = read[(seed.precision, seed.seed)]
+            why = f"{seed.precision} seed {seed.seed} again (read from {first}: a copy?)"
+        if why:
+            if left_out is not None:
+                left_out.append(f"{run.name}: {why}")
+            continue
+        read[(seed.precision, seed.seed)] = run.name
+        seeds.append(seed)
+    return seeds
+
+
+def _seed_of(run: Path, local) -> tuple[Seed | None, str | None]:
+    """The run as a seed of the study, or why it cannot be one."""
+    cfg = local.run_config(run)
+    if cfg is None:
+        return None, "its .hydra/config.yaml is missing or not a config"
+    s = local.read(run)
+    group = cfg.get("precision")
+    precision = str(group.get("name") if isinstance(group, dict) else group)
+    seed = cfg.get("seed", 0)
+    if not isinstance(seed, int):
+        return None, f"its config's seed is {seed!r}, not an int"
+    said_precision, said_seed = s.get("precision"), s.get("seed")
+    if (said_precision is not None and str(said_precision) != precision) or (
+        said_seed is not None and said_seed != seed
+    ):
+        return None, (
+            f"its summary.json is another run's (precision {said_precision}, seed {said_seed}; "
+            f"its config: {precision}, seed {seed})"
+        )
+    rows = local.read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
+    curve = [
+        Point(r["step"], local.number(r.get("time/train_s")) or 0.0, float(r["val/loss"]))
+        for r in rows
+        if isinstance(r.get("val/loss"), (int, float))
+    ]
+    finite = [p.loss for p in curve if math.isfinite(p.loss)]
+    diverged = s.get("exit_code") == 3 or (bool(curve) and not math.isfinite(curve[-1].loss))
+    seed_ = Seed(
+        precision=precision,
+        seed=seed,
+        run=run.name,
+        status=str(s.get("status")),
+        curve=curve,
+        rate=local.number(s.get("tokens_per_s")) or local.number(s.get("samples_per_s")),
+        peak_gib=local.number(s.get("peak_mem_gib")),
+        skipped=s.get("skipped_steps") if isinstance(s.get("skipped_steps"), int) else None,
+        diverged=diverged,
+        final=curve[-1].loss if curve and not diverged else None,
+        best=min(finite) if finite else None,
+    )
+    return seed_, None
+
+
+FIRST_SEEDS = 3  # python -m mixprec.study run starts here (an interval needs 2; 3 is the norm)
+
+
+def half_widths(result: dict) -> dict[str, float]:
+    """Each speedup's 95 % half-width on the log scale, at the main target and along the run
+    ({"fp8 @ step 150": 0.04, ...}); one with a speedup and no interval (one seed) is infinite.
+    Precisions no seed of which reached a target have none, and are not waited for."""
+    out = {}
+    points = [(None, result["rows"]), *((pt["step"], pt["rows"]) for pt in result["by_length"])]
+    for step, rows in points:
+        for r in rows:
+            if r.precision == result["reference"] or r.speedup is None:
+                continue
+            name = r.precision + (f" @ step {step}" if step is not None else "")
+            lo, hi = r.interval or (None, None)
+            out[name] = (math.log(hi) - math.log(lo)) / 2 if lo else math.inf
+    return out
+
+
+def more_seeds(result: dict, seeds: int, width: float, max_seeds: int) -> tuple[int | None, str]:
+    """How many seeds the study should have next (None: stop), and why. It stops on the widths
+    of the intervals alone, never on where they lie (an interval that decides when to stop by
+    its own position is no longer a 95 % interval). Otherwise the count the widest interval
+    implies: a t interval's half-width goes as t(n-1) / sqrt(n) for the same spread."""
+    widths = half_widths(result)
+    widest = max(widths.values(), default=0.0)
+    if widest <= width:
+        return None, f"every interval is within ±{width:g} (log; the widest {widest:.3f})"
+    if seeds >= max_seeds:
+        return None, f"study.max_seeds={max_seeds} reached (the widest interval ±{widest:.3f})"
+    need = seeds + 1
+    while need < max_seeds and projected(widest, seeds, need) > width:
+        need += 1
+    return need, f"the widest interval is ±{widest:.3f} at {seeds} seeds: {need} should do"
+
+
+def projected(half: float, seeds: int, more: int) -> float:
+    """A half-width at `seeds` seeds projected to `more` with the same spread."""
+    from scipy.stats import t
+
+    if not math.isfinite(half):
+        return half
+    q = lambda n: t.ppf(0.5 + LEVEL / 2, n - 1) / math.sqrt(n)  # noqa: E731
+    return half * q(more) / q(seeds)
