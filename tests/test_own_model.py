@@ -511,3 +511,18 @@ def test_outputs_and_builders_as_they_come_train(tmp_path, overrides):
         pytest.importorskip("transformers")
     s = run.run(cfg(tmp_path, "model=own", *overrides, "trainer.max_steps=4"))
     assert s["status"] == "completed" and s["val_loss"] is not None, s
+
+
+def test_a_run_says_its_parameters_total_and_trainable(tmp_path, caplog):
+    """What a newcomer reads first: the model's parameters, all and trainable, in the first
+    lines and in summary.json (here a model whose first layer is frozen)."""
+    import logging
+
+    c = cfg(tmp_path, *CONV, "model.target=own_models:half_frozen", "trainer.max_steps=2")
+    with caplog.at_level(logging.INFO):
+        s = run.run(c)
+    weights = last_weights(Path(c.run_dir))  # the model's parameters (it has no buffers)
+    total = sum(w.numel() for w in weights.values())
+    frozen = weights["1.weight"].numel() + weights["1.bias"].numel()
+    assert (s["params"], s["params_trainable"]) == (total, total - frozen)
+    assert f"({total:,} parameters, {total - frozen:,} trainable)" in caplog.text

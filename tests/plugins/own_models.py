@@ -159,3 +159,10 @@ class DictLogits(TinyConvNet):
 
     def forward(self, x: torch.Tensor) -> dict:
         return {"logits": super().forward(x), "features": x.mean()}
+
+
+def half_frozen(num_classes: int, input_shape: tuple) -> nn.Module:
+    """plain_mlp with its first Linear frozen (a fine-tune of the head alone)."""
+    model = plain_mlp(num_classes, input_shape)
+    model[1].requires_grad_(False)
+    return model

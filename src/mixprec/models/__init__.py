@@ -229,6 +229,18 @@ def _check_trainable(model: nn.Module, mcfg: ModelConfig) -> None:
         )
 
 
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """(all, trainable) parameters of the plain model (a sharded model's full count: a DTensor's
+    numel is the whole tensor's)."""
+    params = list(unwrap(model).parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def count(n: int) -> str:
+    """A parameter count as a newcomer reads it: 11,689,512 -> 11.69 M."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain module under every wrapper (torch.compile's OptimizedModule, DDP), however
     they nest: the one module whose state_dict keys carry no `_orig_mod.` or `module.`."""

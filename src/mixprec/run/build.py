@@ -375,10 +375,13 @@ def announce(p: Parts) -> None:
     log.info(prec.describe())
     for warning in prec.advice(compiled=c.model.compile):
         log.warning(warning)
+    total, trainable = models.parameter_counts(p.learner.model)
     log.info(
-        "model=%s data=%s batch=%d accum=%d world=%d -> effective batch %d; lr %.4g (%s "
-        "scaling from %.4g at %d); %d optimizer steps",
+        "model=%s (%s parameters, %s trainable) data=%s batch=%d accum=%d world=%d -> effective "
+        "batch %d; lr %.4g (%s scaling from %.4g at %d); %d optimizer steps",
         c.model.label,
+        models.count(total),
+        models.count(trainable),
         c.data.name,
         p.layout.batch,
         p.layout.accum,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from mixprec import models
 from mixprec.checkpoint import store as checkpoint
 from mixprec.core import hardware, metrics
 from mixprec.core.errors import MixprecError
@@ -47,6 +48,7 @@ def of_session(s) -> dict:
         optimizer_steps=p.plan.total_steps,
         lr=p.lr,
         model=c.model.label,
+        **dict(zip(("params", "params_trainable"), models.parameter_counts(p.learner.model))),
         data=c.data.name,
         hardware=p.hw.name,
         device=str(p.device),
