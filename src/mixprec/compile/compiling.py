@@ -100,7 +100,7 @@ def save_cache(path: str | None) -> None:
 def compile_kwargs(mode: str | None, options: dict) -> dict:
     """torch.compile's arguments for a mode and, on top of it, inductor options
     (model.compile_options, e.g. conv_1x1_as_mm). torch.compile takes a mode or options, not
-    both, so the mode's own options (torch._inductor.list_mode_options) go under the user's."""
+    both, so the mode's own options (torch_private.inductor_mode_options) go under the user's."""
     if not options:
         return {"mode": mode}
     return {"options": {**torch_private.inductor_mode_options(mode or "default"), **options}}
@@ -113,7 +113,7 @@ def compile_model(model: nn.Module, mode: str | None, options: dict) -> nn.Modul
     except RuntimeError as e:  # torch names every known option; keep the message short
         raise ConfigError(
             f"model.compile_options: {str(e).split(', known options')[0]} "
-            "(allowed: the keys of torch._inductor.config)"
+            "(allowed: inductor's config keys, the names torch.compile's options= takes)"
         ) from None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import math
 import os
@@ -43,13 +44,14 @@ def write_together(outputs: dict[Path, Callable[[IO[bytes]], Any] | bytes | str]
     an old one; the error names the file."""
     pid = os.getpid()
     temps = {path: path.with_name(f".{path.name}.{pid}.tmp") for path in outputs}
-    olds = {path: path.with_name(f".{path.name}.old.{pid}.tmp") for path in outputs}
+    together = len(outputs) > 1  # one file: its rename is the switch, nothing to put back
+    olds = {p: p.with_name(f".{p.name}.old.{pid}.tmp") for p in outputs} if together else {}
     path = next(iter(outputs))
     renamed: list[Path] = []
     try:
         for path, write in outputs.items():
             _write_whole(temps[path], write)
-        for path in outputs if len(outputs) > 1 else ():  # one file: its rename is the switch
+        for path in olds:
             if path.is_file():
                 _keep(path, olds[path])
         for path in outputs:
@@ -59,7 +61,7 @@ def write_together(outputs: dict[Path, Callable[[IO[bytes]], Any] | bytes | str]
         full = isinstance(e, Exception) and disk_full(e, path.parent)  # before the temps go
         for done in renamed:  # the old set back
             with contextlib.suppress(OSError):
-                if olds[done].exists():
+                if done in olds and olds[done].exists():
                     os.replace(olds[done], done)
                 else:
                     done.unlink()
@@ -196,11 +198,12 @@ def link_atomic(target: Path, path: Path) -> Path:
     return path
 
 
-def locked(path: Path) -> bool:
-    """Whether a live process holds a flock on `path` now (a run dir's .lock: the run is being
-    written); False where the file is missing or free."""
-    import fcntl
+RUN_LOCK = ".lock"  # a run dir's lock file: held (flock) by the one process writing the run
 
+
+def locked(path: Path) -> bool:
+    """Whether a live process holds a flock on `path` now (a run dir's RUN_LOCK: the run is
+    being written); False where the file is missing or free."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -160,7 +160,7 @@ def build(
     return model
 
 
-def parameter_count(mcfg: ModelConfig, num_classes: int, input_shape, task=None) -> int | None:
+def count_on_meta(mcfg: ModelConfig, num_classes: int, input_shape, task=None) -> int | None:
     """The model's parameters, counted on the meta device (nothing allocated), where its source
     builds there without side effects (Hugging Face, timm); None for your own builder (it is
     not called twice) or where the meta build fails (the real build then says why)."""

@@ -224,7 +224,7 @@ def check_memory(c: TrainConfig, spec: Spec, device: torch.device, dd) -> None:
     """Refuse, before anything is allocated, a model whose weights, gradients and optimizer
     state alone exceed the memory this process has (the kernel's OOM killer, minutes later and
     without a word, on a CPU): its parameters are counted on the meta device."""
-    n = models.parameter_count(c.model, spec.num_classes, spec.input_shape, spec.task)
+    n = models.count_on_meta(c.model, spec.num_classes, spec.input_shape, spec.task)
     free = hardware.available_bytes(device, c.hardware.memory_gib)
     if not n or free is None:
         return

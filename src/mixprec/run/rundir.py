@@ -62,7 +62,7 @@ class RunDirLock:
     """`with RunDirLock(run_dir):` while training; RunDirBusy if another process holds it."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / ".lock"
+        self.path = run_dir / files.RUN_LOCK
         self.fd: int | None = None
 
     def __enter__(self) -> RunDirLock:
@@ -126,7 +126,7 @@ def _unlink_if_free(lock: Path) -> bool:
 def busy(run_dir: Path) -> bool:
     """Whether a live process holds the run dir's lock now (a glance: it may take it a moment
     later, when RunDirLock says so)."""
-    return files.locked(run_dir / ".lock")
+    return files.locked(run_dir / files.RUN_LOCK)
 
 
 def _read_holder(fd: int) -> str:
@@ -286,7 +286,7 @@ class Journal:
             self.file.close()
         elif run_dir is not None and run_dir != Path(".") and run_dir.is_dir():
             left = {p.name for p in run_dir.iterdir()}
-            if left <= {".lock"} and _unlink_if_free(run_dir / ".lock"):  # made for this run
+            if left <= {files.RUN_LOCK} and _unlink_if_free(run_dir / files.RUN_LOCK):  # ours
                 try:
                     run_dir.rmdir()
                 except OSError:  # another run started writing into it meanwhile

@@ -62,7 +62,7 @@ def read(run_dir: Path) -> dict:
         why = f"{path} holds a {type(summary).__name__}, not a summary"
     if isinstance(summary, dict):
         return summary
-    if files.locked(run_dir / ".lock"):  # no summary yet: another process is training it
+    if files.locked(run_dir / files.RUN_LOCK):  # no summary yet: another process is training it
         why = "still running (its run dir is locked by a live process)"
     cfg = run_config(run_dir) or {}
     precision = cfg.get("precision")
