@@ -115,7 +115,7 @@ def full_model(path: Path) -> dict:
         if len(where) == 2 and where[0] == "model" and hasattr(md, "size"):
             model[where[1]] = torch.empty(md.size, dtype=md.properties.dtype)
     with damaged_as_checkpoint_error(path):
-        dcp.load({"model": model}, storage_reader=_reader(path), planner=_planner(), no_dist=True)
+        dcp.load({"model": model}, storage_reader=_reader(path, meta), planner=_planner(), no_dist=True)
     return model
 
 
@@ -173,14 +173,19 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _Refused(f"{module}.{name}")
 
 
-def _reader(path: Path):
-    """torch's FileSystemReader with the metadata read by `metadata` (its public hook)."""
+def _reader(path: Path, checked=None):
+    """torch's FileSystemReader with the metadata read by `metadata` (its public hook). The
+    metadata is read and checked here, before dcp.load: torch 2.11's loader swallows every
+    exception of read_metadata and then fails with "metadata is None", which would hide a
+    refusal behind a message about damage."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
+    checked = metadata(path) if checked is None else checked
+
     class Reader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            md = metadata(path)
+            md = checked
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
