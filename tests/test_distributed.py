@@ -17,7 +17,7 @@ import zygote
 from torch import nn
 
 from mixprec.optim import optimizers as optim
-from mixprec.parallel import distributed
+from mixprec.parallel import ddp, distributed
 from mixprec.precision import base as precision
 from mixprec.train import loop
 
@@ -149,7 +149,7 @@ def test_accumulation_all_reduces_once_per_optimizer_step(gloo_world_of_one):
     prec = precision.build(group("precision", "fp32"), group("scaler"), torch.device("cpu"))
     learner = loop.Learner(model, opt, optim.build_scheduler(group("scheduler"), opt, 2), prec)
     micro = [(torch.randn(4, 8), torch.randint(0, 3, (4,))) for _ in range(4)]
-    loop.train_step(learner, micro, no_sync=distributed.no_sync)
+    loop.train_step(learner, micro, no_sync=ddp.Strategy(group("parallel", "ddp")).no_sync)
     assert len(calls) == 1  # the last micro-batch only (one bucket for this small model)
     calls.clear()
     loop.train_step(learner, micro)

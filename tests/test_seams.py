@@ -344,15 +344,70 @@ def test_the_layout_and_the_data_dealing_use_the_strategys_data_parallel_size(
     data_parallel(); the effective batch and the samples each rank is dealt follow it, not the
     world. Here, in a world of one process, a strategy that calls it rank 1 of 2: the effective
     batch doubles, and the rank trains on half the samples (half the steps of an epoch)."""
-    from mixprec.parallel import strategy
-
-    class HalfOfTwo(strategy.DDP):
-        def data_parallel(self, dd):
-            return 1, 2
-
+    monkeypatch.syspath_prepend(str(PLUGINS))  # tests/plugins/half_data_parallel.py
     args = ("batch=32", "trainer.epochs=1", "trainer.min_steps=0")
     alone = run.run(cfg_factory(*args))
-    monkeypatch.setitem(strategy.STRATEGIES, "ddp", HalfOfTwo())
-    half = run.run(cfg_factory(*args))
+    half = run.run(cfg_factory(*args, "parallel.plugin=half_data_parallel"))
     assert alone["effective_batch"] == 32 and half["effective_batch"] == 64
     assert half["steps"] == alone["steps"] // 2 or half["steps"] == (alone["steps"] + 1) // 2
+
+
+@pytest.mark.slow
+def test_a_ddp_variant_defined_outside_src_trains_under_torchrun(tmp_path):
+    """tests/plugins/ddp_fp16.py (a module) and its YAML are all a new strategy takes: two
+    ranks train through it, its own key is validated, and its hook is the one that
+    all-reduced (it says so from inside the all-reduce, in rank 0's log)."""
+    from conftest import LM_CPU, run_torchrun
+
+    env = {"PYTHONPATH": os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])}
+    args = [
+        str(ROOT / "train.py"),
+        f"hydra.searchpath=[file://{PLUGINS / 'conf'}]",
+        "parallel=ddp_fp16",
+        *LM_CPU,
+        "data.max_mb=1",
+        "trainer.max_steps=3",
+        "accum=2",
+    ]
+    done = run_torchrun([*args, f"hydra.run.dir={tmp_path / 'ok'}"], env_extra=env)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    summary = json.loads((tmp_path / "ok" / "summary.json").read_text())
+    assert (summary["status"], summary["world_size"], summary["steps"]) == ("completed", 2, 3)
+    assert "ddp_fp16: gradients all-reduced in float16" in out  # rank 0's log
+    bad = run_torchrun(
+        [*args, "parallel.bucket_cap_mb=0", f"hydra.run.dir={tmp_path / 'bad'}"], env
+    )
+    assert (
+        bad.returncode != 0
+        and "parallel.bucket_cap_mb=0.0 is not allowed" in bad.stdout + bad.stderr
+    )
+
+
+def test_a_precision_owns_its_scaler_and_its_input_conversion(cfg_factory, monkeypatch):
+    """tests/plugins/scaled_bf16.py scales bf16's loss with a GradScaler of its own
+    (make_scaler): the loss scale the run logs grows as the scaler group says, where the
+    built-in bf16 logs none. Its input conversion moves a float64 batch as float32."""
+    from mixprec.data.loaders import to_device
+
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    args = ["precision=bf16", "scaler.init_scale=1024", "scaler.growth_interval=2"]
+    args += ["trainer.max_steps=6", "trainer.log_every=1"]
+    plain, own = cfg_factory(*args), cfg_factory(*args, "precision.plugin=scaled_bf16")
+    run.run(plain)
+    run.run(own)
+    rows = lambda c: [  # noqa: E731
+        json.loads(line) for line in (Path(c.run_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
+    scales = [r["amp/loss_scale"] for r in rows(own) if "amp/loss_scale" in r]
+    plain_scales = {r.get("amp/loss_scale") for r in rows(plain)} - {None}
+    assert scales[0] == 1024 and scales[-1] > scales[0], scales  # grown every 2 clean steps
+    assert plain_scales <= {1.0}, plain_scales  # bf16's own rule: no scaling
+    prec = precision.build(group("precision", "bf16"), group("scaler"), torch.device("cpu"))
+    x, _ = to_device(
+        (torch.ones(2, 3, dtype=torch.float64), torch.zeros(2)),
+        torch.device("cpu"),
+        torch.contiguous_format,
+        prec.convert_input,
+    )
+    assert x.dtype == torch.float32

@@ -115,7 +115,9 @@ def full_model(path: Path) -> dict:
         if len(where) == 2 and where[0] == "model" and hasattr(md, "size"):
             model[where[1]] = torch.empty(md.size, dtype=md.properties.dtype)
     with damaged_as_checkpoint_error(path):
-        dcp.load({"model": model}, storage_reader=_reader(path, meta), planner=_planner(), no_dist=True)
+        dcp.load(
+            {"model": model}, storage_reader=_reader(path, meta), planner=_planner(), no_dist=True
+        )
     return model
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -51,6 +51,9 @@ class Context:
     rank: int = 0
     world: int = 1
     workers: Workers = field(default_factory=Workers)
+    # the precision's input conversion (Precision.convert_input: float64 -> float32 by default),
+    # applied in the same copy that moves a batch to its device
+    convert: Callable = lambda x: x.float() if x.dtype == torch.float64 else x
 
     @property
     def fmt(self) -> torch.memory_format:

@@ -17,14 +17,19 @@ from mixprec.data.base import Context
 from mixprec.data.workers import Seeded, quiet_worker, signals_held, start_method, stop_workers
 
 
-def to_device(batch, device: torch.device, fmt: torch.memory_format):
-    """A batch on its device. float64 inputs (numpy's default dtype, a dataset of your own)
-    become float32, the dtype of the weights every precision keeps, in the same copy: a float64
-    input meets float32 weights as "mat1 and mat2 must have the same dtype" at the first step."""
+def to_device(batch, device: torch.device, fmt: torch.memory_format, convert=None):
+    """A batch on its device, its input in the dtype the precision computes on
+    (`convert`: Precision.convert_input, float64 -> float32 by default: a float64 input, numpy's
+    default, meets float32 weights as "mat1 and mat2 must have the same dtype" at the first
+    step). A floating input is converted before the copy when that narrows it."""
     x, y = batch
-    wide = x.dtype == torch.float64
-    x = x.to(device, torch.float32 if wide else None, non_blocking=True)
-    return x.contiguous(memory_format=fmt), y.to(device, non_blocking=True)
+    convert = convert or Context.convert
+    if x.is_floating_point():
+        wanted = convert(x[:0]).dtype  # the dtype it becomes, read off an empty slice
+        if wanted.itemsize < x.dtype.itemsize:
+            x = x.to(dtype=wanted)
+    x = x.to(device, non_blocking=True)
+    return convert(x).contiguous(memory_format=fmt), y.to(device, non_blocking=True)
 
 
 class Normalize:
@@ -152,7 +157,7 @@ class EpochLoader:
         )
         self.dataset, self.batch, self.device = Seeded(dataset, ctx.seed), ctx.batch, ctx.device
         self.drop_last, self.skip, self.seed, self.epoch = drop_last, 0, ctx.seed, 0
-        self.stage = stage or (lambda b: to_device(b, ctx.device, ctx.fmt))
+        self.stage = stage or (lambda b: to_device(b, ctx.device, ctx.fmt, ctx.convert))
         workers = ctx.workers.num_workers
         self.persistent = persistent and workers > 0
         self.stage_thread = stage_thread

@@ -1,5 +1,6 @@
-"""Data parallelism through torch.distributed: torchrun (or SLURM through submitit) starts one
-process per GPU (NCCL) or per CPU worker (gloo); DDP averages gradients; rank 0 alone writes.
+"""The process group: torchrun (or SLURM through submitit) starts one process per GPU (NCCL)
+or per CPU worker (gloo); rank 0 alone writes. What runs over it is the strategy's (ddp.py,
+fsdp.py).
 
 No home-made launcher: the environment torchrun/SLURM set up is read here, nothing else.
 """
@@ -19,9 +20,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-from mixprec.parallel import sharding
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +31,7 @@ class Dist:
     world: int = 1
     grouped: bool = False  # in a process group (a world of one too, for parallel=fsdp)
     mesh: object = None  # the DeviceMesh FSDP2 shards over (None: the whole world's)
+    strategy: object = None  # the parallel strategy (strategy.py): it owns no_sync
 
     @property
     def main(self) -> bool:
@@ -44,7 +43,7 @@ class Dist:
 
     def no_sync(self, model: nn.Module):
         """Skip the gradient all-reduce (all but the last micro-batch of an accumulation)."""
-        return no_sync(model)
+        return self.strategy.no_sync(model) if self.strategy is not None else nullcontext()
 
     def reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """A reduced copy over all ranks (sum or max); the tensor itself in a world of one."""
@@ -88,18 +87,18 @@ def first_host(nodelist: str) -> str:
     return m.group(1) + m.group(2).split(",")[0].split("-")[0]
 
 
-def init(device_type: str, group_of_one: bool = False) -> Dist:
+def init(device_type: str, strategy=None) -> Dist:
     """Join the process group if this process was started as one of several; else world 1,
-    in a group of its own if asked (parallel=fsdp on one GPU: FSDP2 needs a group)."""
+    in a group of its own if the strategy needs one (parallel=fsdp on one GPU: FSDP2 does)."""
     env = _env_world()
     if env is None:
-        if not group_of_one:
-            return Dist()
+        if not getattr(strategy, "group_of_one", False):
+            return Dist(strategy=strategy)
         if not dist.is_initialized():
             dist.init_process_group(
                 _backend(device_type), store=dist.HashStore(), rank=0, world_size=1
             )
-        return Dist(grouped=True)
+        return Dist(grouped=True, strategy=strategy)
     rank, local_rank, world = env
     die_with_agent()
     if "MASTER_ADDR" not in os.environ:  # SLURM: the first node of the job hosts the store
@@ -112,7 +111,7 @@ def init(device_type: str, group_of_one: bool = False) -> Dist:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group(_backend(device_type), timeout=datetime.timedelta(minutes=10))
-    return Dist(rank, local_rank, world, grouped=True)
+    return Dist(rank, local_rank, world, grouped=True, strategy=strategy)
 
 
 def die_with_agent() -> None:
@@ -136,20 +135,20 @@ def die_with_agent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def probe_dist(sharded: bool, device_type: str) -> Dist:
+def probe_dist(strategy, device_type: str) -> Dist:
     """The Dist a batch=auto probe is built with, on every rank at once: none (a probe that runs
     out of memory on one rank must not leave the others waiting in a DDP all-reduce), or, for
     parallel=fsdp, a mesh of this rank alone. FSDP2 then shards over one rank, which holds all
     of the state a rank of the real world holds a share of (its peak bounds theirs from above;
     in a world of one it is the run's own), and its collectives wait on no other rank."""
-    if not sharded:
-        return Dist()
+    if not strategy.group_of_one:
+        return Dist(strategy=strategy)
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return Dist(grouped=True)
+        return Dist(grouped=True, strategy=strategy)
     from torch.distributed.device_mesh import DeviceMesh
 
     alone, _ = dist.new_subgroups(group_size=1)  # a collective: every rank makes its group
-    return Dist(grouped=True, mesh=DeviceMesh.from_group(alone, device_type))
+    return Dist(grouped=True, mesh=DeviceMesh.from_group(alone, device_type), strategy=strategy)
 
 
 def _backend(device_type: str) -> str:
@@ -159,19 +158,6 @@ def _backend(device_type: str) -> str:
 def rank() -> int:
     """This process's rank in its process group; 0 without one."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def wrap(model: nn.Module, d: Dist, device: torch.device) -> nn.Module:
-    if not d.enabled:
-        return model
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-
-def no_sync(model: nn.Module):
-    """Skip the gradient all-reduce on all but the last micro-batch of an accumulation."""
-    if isinstance(model, DDP):
-        return model.no_sync()
-    return sharding.no_sync(model) if sharding.is_sharded(model) else nullcontext()
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -17,46 +17,17 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
-from omegaconf import MISSING
 from torch import nn
 
-from mixprec.core.errors import ConfigError, one_of
+from mixprec.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("ddp", "fsdp")  # strategy.py: what each one does
-REDUCE_DTYPES = ("float32", "bfloat16")
 
-
-@dataclass
-class ParallelConfig:
-    """conf/parallel/*.yaml: how a world of several processes splits the work."""
-
-    strategy: str = MISSING  # ddp (whole model on every rank) or fsdp (sharded: FSDP2)
-    reduce_dtype: Optional[str] = MISSING  # fsdp: the dtype gradients are reduced in
-    reshard_after_forward: Optional[bool] = MISSING  # fsdp: free gathered weights after forward
-
-    def __post_init__(self) -> None:
-        one_of("parallel.strategy", self.strategy, STRATEGIES)
-        if self.strategy == "ddp":
-            for key in ("reduce_dtype", "reshard_after_forward"):
-                if getattr(self, key) is not None:
-                    raise ConfigError(
-                        f"parallel.{key}={getattr(self, key)!r} is read by parallel=fsdp only "
-                        "(DDP reduces gradients in their own dtype); leave it null"
-                    )
-        else:
-            one_of("parallel.reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
-
-
-def check(pcfg: ParallelConfig, prec, mcfg, ocfg) -> None:
+def check(prec, mcfg, ocfg) -> None:
     """What FSDP2 cannot take here, named before anything is built."""
-    if pcfg.strategy != "fsdp":
-        return
     why = None
     if ocfg.state != "fp32" or ocfg.offload != "none":
         why = "optimizer.state / optimizer.offload (torchao's optimizers) are not verified sharded"
@@ -76,9 +47,7 @@ def param_dtype(prec) -> torch.dtype | None:
     return torch.bfloat16 if prec.dtype is torch.bfloat16 else None
 
 
-def shard(
-    model: nn.Module, pcfg: ParallelConfig, prec, blocks: list[nn.Module], mesh=None
-) -> nn.Module:
+def shard(model: nn.Module, pcfg, prec, blocks: list[nn.Module], mesh=None) -> nn.Module:
     """fully_shard each block, then the root, with the policy of this precision and config,
     over the world (starting from rank 0's weights on every rank, as DDP does) or over `mesh`
     (batch=auto's probes: a mesh of one rank, its own weights)."""

@@ -1,72 +1,116 @@
-"""A parallel strategy as one object: what the run asks of it, instead of testing its name.
+"""Parallel strategies are plugins, found the way precisions are; this module is the interface.
 
-`of(parallel_config)` gives the strategy `parallel.strategy` names. The run asks it:
+`conf/parallel/<name>.yaml` names its `plugin`: a module with a `Config` (this module's
+ParallelConfig plus the strategy's own keys) and a `Strategy` (a subclass of Strategy below).
+DDP (mixprec.parallel.ddp) and FSDP2 (mixprec.parallel.fsdp) are two such modules; yours may
+live outside `src/` (tests/plugins/ddp_fp16.py: DDP with a gradient-compression hook). Nothing
+else in mixprec names a strategy: the run asks the object.
+
+What a strategy decides, and where the run asks it:
 - `group_of_one`: does it need a process group even alone (FSDP2's code path on one GPU)?
 - `shards`: does each rank keep only a shard of weights, gradients and optimizer state (the
   precision may prepare for it; checkpoints may be written a shard per rank; batch=auto probes
-  each rank alone)?
+  each rank alone; the memory estimate divides by the world)?
 - `checkpoints_by_name`: is the optimizer state saved keyed by parameter name (fits any world)?
-- `check(...)`: what it cannot run with, named before anything is built (ConfigError);
-- `wrap(model, ...)`: the model made parallel, after the precision's conversion and before
-  compile; the optimizer is built over what it returns;
+- `check(prec, model_cfg, optimizer_cfg)`: what it cannot run with, named before anything is
+  built (ConfigError);
+- `wrap(model, prec, blocks, dd, device)`: the model made parallel, after the precision's
+  conversion and before compile; the optimizer is built over what it returns;
+- `no_sync(model)`: a context in which backward does not synchronise gradients (all but the
+  last micro-batch of an accumulation);
 - `data_parallel(dd)`: this rank's place among the ranks that see different samples, and how
-  many there are: the layout's effective batch and the data's dealing use it (build.py), not
-  the world. Both strategies here are data-parallel over the whole world; one that splits the
-  model across ranks (tensor parallel: ranks of one group see the same samples) says otherwise
-  here. MFU still divides by the world: every GPU shares each sample's FLOPs.
-Adding one is a class here, a YAML in conf/parallel/, and its test.
+  many there are: the layout's effective batch and the data's dealing use it, not the world.
+  A strategy that splits the model across ranks (tensor parallel: ranks of one group see the
+  same samples) says so here. MFU still divides by the world;
+- `promised(prec)`: the dtypes it adds to what the dtype plan checks after step 1 (FSDP2: the
+  weights gathered for the forward, the gradients' reduce dtype).
+Adding one is its module and its YAML.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from dataclasses import dataclass
+from types import ModuleType
+
+from omegaconf import MISSING
 from torch import nn
 
-from mixprec.parallel import distributed, sharding
+from mixprec.core import schema, targets
+from mixprec.core.errors import ConfigError
+
+
+@dataclass
+class ParallelConfig:
+    """conf/parallel/*.yaml: the keys every strategy has (a plugin's Config adds its own)."""
+
+    strategy: str = MISSING  # the group option that chose it (ddp, fsdp, yours)
+    plugin: str = MISSING  # the module that implements it (mixprec.parallel.ddp, .fsdp, yours)
 
 
 class Strategy:
-    """What every strategy here shares: each rank its own samples."""
+    """The interface, with what most strategies share: the whole model on every rank, each
+    rank its own samples, no process group alone."""
+
+    group_of_one = False
+    shards = False
+    checkpoints_by_name = False
+
+    def __init__(self, cfg: ParallelConfig) -> None:
+        self.cfg = cfg
+
+    @property
+    def name(self) -> str:
+        return self.cfg.strategy
+
+    def check(self, prec, mcfg, ocfg) -> None:
+        """Refuse what it cannot run with (ConfigError), before anything is built."""
+
+    def wrap(self, model: nn.Module, prec, blocks: list, dd, device) -> nn.Module:
+        return model
+
+    def no_sync(self, model: nn.Module):
+        return nullcontext()
 
     def data_parallel(self, dd) -> tuple[int, int]:
         """(this rank's data-parallel rank, the data-parallel size)."""
         return dd.rank, dd.world
 
-
-class DDP(Strategy):
-    """parallel=ddp: the whole model on every rank, gradients all-reduced (torch's DDP)."""
-
-    name = "ddp"
-    group_of_one = False
-    shards = False
-    checkpoints_by_name = False
-
-    def check(self, pcfg, prec, mcfg, ocfg) -> None:
-        pass
-
-    def wrap(self, model: nn.Module, pcfg, prec, blocks, dd, device) -> nn.Module:
-        return distributed.wrap(model, dd, device)
+    def promised(self, prec) -> dict:
+        """{"forward_weights": dtype name, "reduce": dtype name}, where it decides them."""
+        return {}
 
 
-class FSDP2(Strategy):
-    """parallel=fsdp: each block and the root sharded (sharding.py), a world of one too."""
-
-    name = "fsdp"
-    group_of_one = True
-    shards = True
-    checkpoints_by_name = True
-
-    def check(self, pcfg, prec, mcfg, ocfg) -> None:
-        sharding.check(pcfg, prec, mcfg, ocfg)
-
-    def wrap(self, model: nn.Module, pcfg, prec, blocks, dd, device) -> nn.Module:
-        if not dd.grouped:  # no process group to shard over (a run always has one: init)
-            return model
-        return sharding.shard(model, pcfg, prec, blocks, dd.mesh)  # it replaces the parameters
+def plugin_module(path: str) -> ModuleType:
+    """The module that implements a strategy (`parallel.plugin`), checked."""
+    return targets.plugin(
+        "parallel.plugin",
+        path,
+        ("Config", "Strategy"),
+        "parallel strategy",
+        "Config (a ParallelConfig) and Strategy (a mixprec.parallel.strategy.Strategy)",
+        ", e.g. mixprec.parallel.ddp or mixprec.parallel.fsdp",
+    )
 
 
-STRATEGIES = {s.name: s for s in (DDP(), FSDP2())}
+def parse(node: dict) -> ParallelConfig:
+    """The plugin's own Config from the composed `parallel` node: unknown keys and bad values
+    are ConfigErrors naming the key."""
+    name, path = node.get("strategy"), node.get("plugin")
+    if not isinstance(path, str):
+        raise ConfigError(
+            f"parallel={name}: parallel.plugin is missing; it names the module that "
+            "implements the strategy, e.g. mixprec.parallel.ddp"
+        )
+    return schema.parse(plugin_module(path).Config, node, "parallel", f"parallel={name}")
 
 
-def of(pcfg) -> Strategy:
-    """The strategy `parallel.strategy` names (ParallelConfig validated the name)."""
-    return STRATEGIES[pcfg.strategy]
+def of(pcfg: ParallelConfig) -> Strategy:
+    """The strategy `parallel.plugin` implements, for this config."""
+    found = plugin_module(pcfg.plugin).Strategy(pcfg)
+    if not isinstance(found, Strategy):
+        raise ConfigError(
+            f"parallel.plugin={pcfg.plugin!r}: its Strategy must subclass "
+            "mixprec.parallel.strategy.Strategy"
+        )
+    return found

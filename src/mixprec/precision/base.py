@@ -170,6 +170,34 @@ class Precision:
                 "no bfloat16 support; use one of fp32, tf32, amp, amp_accum"
             )
 
+    @classmethod
+    def make_scaler(cls, pcfg: PrecisionConfig, scfg: ScalerConfig, device_type: str) -> GradScaler:
+        """The loss scaling this precision needs, from the scaler group's settings: here a
+        GradScaler for float16 autocast (fp16's 5 exponent bits underflow small gradients),
+        disabled otherwise. A plugin overrides it (a per-tensor scaler, fp8's own scaling)."""
+        fp16 = pcfg.autocast == "float16"
+        if fp16 and not scfg.enabled:
+            log.warning(
+                "precision=%s with scaler=off: fp16 gradients below 2^-24 flush to zero and "
+                "overflows are not skipped; use scaler=dynamic unless you mean it",
+                pcfg.name,
+            )
+        return (StaticGradScaler if scfg.static else Scaler)(
+            device_type,
+            init_scale=scfg.init_scale,
+            growth_factor=scfg.growth_factor,
+            backoff_factor=scfg.backoff_factor,
+            growth_interval=scfg.growth_interval,
+            enabled=fp16 and scfg.enabled,
+        )
+
+    def convert_input(self, x: torch.Tensor) -> torch.Tensor:
+        """A floating input batch in the dtype this precision computes on from the first
+        layer: float32 here (the weights' dtype; autocast casts inside). float64 (numpy's
+        default, a dataset of your own) would meet float32 weights as "mat1 and mat2 must
+        have the same dtype". A plugin that keeps its weights in bf16 returns bf16."""
+        return x.float() if x.dtype == torch.float64 else x
+
     def check_model(self, model: nn.Module, key: str) -> None:
         """What this precision needs of the model as its source made it (`key`: the config
         key that chose it), before it is converted: a GradScaler unscales fp32 gradients only,
@@ -208,9 +236,10 @@ class Precision:
         return None
 
     def promised(self) -> dict:
-        """What this precision adds to the dtype plan's promise (diagnostics/dtype_plan.py),
-        e.g. {"weights": ["bfloat16"]} for one that keeps some weights in bf16."""
-        return {}
+        """The dtypes this precision promises, which the dtype plan (diagnostics/dtype_plan.py)
+        checks after step 1: "compute" (the matmuls' dtype: autocast's, else float32), and
+        "weights" for one that keeps some weights in another dtype (["bfloat16"])."""
+        return {"compute": self.cfg.autocast or "float32"}
 
     def plan_summary(self) -> dict | None:
         """The plan in a few numbers, for summary.json (None: no plan)."""
@@ -339,25 +368,14 @@ def build(
 ) -> Precision:
     """The precision `pcfg.plugin` implements, with its GradScaler; checked against the device
     (tests build one without the check to look at a GPU-only conversion on the CPU)."""
-    fp16 = pcfg.autocast == "float16"
-    use_scaler = fp16 and scfg.enabled
-    if fp16 and not scfg.enabled:
-        log.warning(
-            "precision=%s with scaler=off: fp16 gradients below 2^-24 flush to zero and "
-            "overflows are not skipped; use scaler=dynamic unless you mean it",
-            pcfg.name,
-        )
-    cls = StaticGradScaler if scfg.static else Scaler
-    scaler = cls(
+    plugin = plugin_module(pcfg.plugin).Plugin
+    scaler = plugin.make_scaler(pcfg, scfg, device.type)
+    prec = plugin(
+        pcfg,
         device.type,
-        init_scale=scfg.init_scale,
-        growth_factor=scfg.growth_factor,
-        backoff_factor=scfg.backoff_factor,
-        growth_interval=scfg.growth_interval,
-        enabled=use_scaler,
-    )
-    prec = plugin_module(pcfg.plugin).Plugin(
-        pcfg, device.type, scaler, guard_bn_stats=use_scaler and scfg.guard_bn_stats, cache=cache
+        scaler,
+        guard_bn_stats=scaler.is_enabled() and scfg.guard_bn_stats,
+        cache=cache,
     )
     if check_device:
         prec.check_device(device)

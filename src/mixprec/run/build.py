@@ -23,7 +23,7 @@ from mixprec.diagnostics import dtype_plan
 from mixprec.models import flops
 from mixprec.optim import optimizers as optim
 from mixprec.optim import states as optim_states
-from mixprec.parallel import distributed, sharding, strategy
+from mixprec.parallel import distributed, strategy
 from mixprec.precision import base as precision
 from mixprec.precision import fp8_early, fp32_layers
 from mixprec.run import config, rundir
@@ -115,6 +115,7 @@ def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> 
             dp_rank,
             dp_size,
             datasets.Workers(hw.num_workers, hw.pin_memory, hw.persistent_workers),
+            convert=prec.convert_input,
         ),
     )
     data = fit_auto_batch_to_data(layout, load(layout.batch), load)
@@ -209,8 +210,8 @@ def assemble(
     optim_states.to_weights(c.optimizer, model)  # optimizer.state=bf16: bf16 weights
     prec.kept = fp32_layers.keep(model, c.precision.keep_fp32, device.type, set(prec.owned()))
     inspect(model)
-    parallel.check(c.parallel, prec, c.model, c.optimizer)
-    model = parallel.wrap(model, c.parallel, prec, models.blocks_of(model), dd, device)
+    parallel.check(prec, c.model, c.optimizer)
+    model = parallel.wrap(model, prec, models.blocks_of(model), dd, device)
     if c.model.cuda_graphs:  # a fixed batch shape: the one every training step has
         x = example(c, spec.input_shape, device, spec.batch, spec.num_classes, spec.task)
         compiling.capture_graphs(models.unwrap(model), x, prec)
@@ -272,7 +273,7 @@ def probes(c: TrainConfig, device: torch.device) -> tuple:
     unwrapped, or parallel=fsdp sharded over this rank alone). Called on every rank."""
     num_classes, shape = datasets.spec(c.data)
     task = datasets.task(c.data)
-    alone = distributed.probe_dist(strategy.of(c.parallel).group_of_one, device.type)
+    alone = distributed.probe_dist(strategy.of(c.parallel), device.type)
 
     def new_learner(b: int) -> loop.Learner:
         prec = new_precision(c, device)
@@ -309,17 +310,18 @@ def saved_plan(c: TrainConfig) -> dict | None:
 
 def dtype_promise(c: TrainConfig, p: Parts) -> dtype_plan.Promise:
     """What this config promises about the run's tensors (checked after its first step)."""
-    prec, fsdp = p.learner.precision, strategy.of(c.parallel).shards
+    prec, parallel = p.learner.precision, strategy.of(c.parallel).promised(p.learner.precision)
+    promised = {**precision.Precision.promised(prec), **prec.promised()}  # compute, weights
     weights = ["bfloat16" if c.optimizer.state == "bf16" else "float32"]
-    weights += prec.promised().get("weights", [])  # a plugin that keeps weights in bf16
-    gathered = sharding.param_dtype(prec) if fsdp else None
+    weights += promised.get("weights", [])  # a plugin that keeps weights in bf16
+    gathered = parallel.get("forward_weights")  # FSDP2 gathers them in its param_dtype
     return dtype_plan.Promise(
         weights=weights,
-        compute=c.precision.autocast or "float32",
+        compute=promised["compute"],
         state=c.optimizer.state,
         state_device="cpu" if c.optimizer.offload == "cpu" else p.device.type,
-        forward_weights=[str(gathered).replace("torch.", "")] if gathered else weights,
-        reduce=c.parallel.reduce_dtype if fsdp else None,
+        forward_weights=[gathered] if gathered else weights,
+        reduce=parallel.get("reduce"),
     )
 
 

@@ -3,11 +3,11 @@ of its concern (precision/base.py holds PrecisionConfig and ScalerConfig, data/<
 dataset's Config, ...). Values live in conf/*.yaml only: a field here has a type, a one-line
 meaning and its checks, never a default of its own (MISSING), so a default lives in one place.
 
-The data, precision and logger groups are plugins (data/<name>.py, precision.plugin,
-sinks/<name>.py): their nodes are parsed by their own Config. Hydra merges conf/ onto this
-schema (wrong types fail at compose time); validate() builds the
-dataclasses, which runs every __post_init__ check, and refuses keys that match no field (a typo
-added with `+`) and non-finite numbers. Errors name the key and what is allowed.
+The data, precision, parallel and logger groups are plugins (data/<name>.py,
+precision.plugin, parallel.plugin, sinks/<name>.py): their nodes are parsed by their own
+Config. Hydra merges conf/ onto this schema (wrong types fail at compose time); validate()
+builds the dataclasses, which runs every __post_init__ check, and refuses keys that match no
+field (a typo added with `+`) and non-finite numbers. Errors name the key and what is allowed.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from mixprec.core.hardware import HardwareConfig, Profiles
 from mixprec.models import ModelConfig
 from mixprec.optim.optimizers import OptimizerConfig, SchedulerConfig
 from mixprec.parallel import strategy
-from mixprec.parallel.sharding import ParallelConfig
 from mixprec.precision import base as precisions
 from mixprec.precision.base import ScalerConfig
 from mixprec.report.study import StudyConfig
@@ -102,7 +101,7 @@ class TrainConfig:
     trainer: TrainerConfig = MISSING
     ckpt: CkptConfig = MISSING
     debug: DebugConfig = MISSING
-    parallel: ParallelConfig = MISSING
+    parallel: Any = MISSING  # the chosen strategy plugin's own Config (parallel/)
     batch_search: BatchSearchConfig = MISSING
     study: StudyConfig = MISSING  # a sweep of precisions x seeds matched at one loss (study.py)
     name: str = MISSING  # experiment name: W&B group and tag
@@ -130,12 +129,6 @@ class TrainConfig:
             "effective_batch",
             self.effective_batch,
             "null or an int >= 1",
-        )
-        check(
-            not self.ckpt.sharded or strategy.of(self.parallel).shards,
-            "ckpt.sharded",
-            self.ckpt.sharded,
-            "false unless parallel=fsdp (a shard per rank is what sharding has to write)",
         )
 
     def check_objective(self) -> None:
@@ -170,11 +163,18 @@ def validate(cfg: DictConfig) -> TrainConfig:
         data = datasets.parse(OmegaConf.to_container(cfg.data, resolve=True))
         prec = precisions.parse(OmegaConf.to_container(cfg.precision, resolve=True))
         logger = sinks.parse(OmegaConf.to_container(cfg.logger, resolve=True))
+        parallel = strategy.parse(OmegaConf.to_container(cfg.parallel, resolve=True))
         c: TrainConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except OmegaConfBaseException as e:  # __post_init__ errors arrive wrapped
         cause = e.__cause__
         raise (cause if isinstance(cause, ConfigError) else ConfigError(str(e))) from None
-    c.data, c.precision, c.logger = data, prec, logger
+    c.data, c.precision, c.logger, c.parallel = data, prec, logger, parallel
+    check(
+        not c.ckpt.sharded or strategy.of(parallel).shards,
+        "ckpt.sharded",
+        c.ckpt.sharded,
+        f"false unless the strategy shards (parallel=fsdp); parallel={parallel.strategy} does not",
+    )
     return c
 
 

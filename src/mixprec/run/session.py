@@ -128,7 +128,7 @@ def _run(cfg: DictConfig, journal: rundir.Journal) -> dict:
     if launch.multirun():  # what the sweeper compares must be measurable
         c.check_objective()
     hw = build.resolve_hardware(c)
-    dd = distributed.init(hw.device, strategy.of(c.parallel).group_of_one)  # torchrun/SLURM/1
+    dd = distributed.init(hw.device, strategy.of(c.parallel))  # torchrun/SLURM/1
     try:
         c.run_dir = distributed.broadcast_str(c.run_dir, dd)  # rank 0's Hydra run dir
         run_dir = Path(c.run_dir)
