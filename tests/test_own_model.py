@@ -526,3 +526,43 @@ def test_a_run_says_its_parameters_total_and_trainable(tmp_path, caplog):
     frozen = weights["1.weight"].numel() + weights["1.bias"].numel()
     assert (s["params"], s["params_trainable"]) == (total, total - frozen)
     assert f"({total:,} parameters, {total - frozen:,} trainable)" in caplog.text
+
+
+def test_dict_samples_train_through_workers_and_resume_bit_exact(tmp_path):
+    """Hugging Face-style dict samples ({"input_ids", "labels", "attention_mask", "idx"}): the
+    usual names are the (input, target) pair, read in two DataLoader workers; a resume from a
+    mid-run checkpoint ends on the uninterrupted run's weights."""
+    lm = [o for o in LM if "data.target" not in o]
+    base = [*lm, "data.target=own_data:counting_dicts", "hardware.num_workers=2", "batch=8"]
+    base += ["trainer.max_steps=8", "ckpt.every_steps=4", "ckpt.keep=3"]
+    assert run.run(cfg(tmp_path, *base, name="ref"))["status"] == "completed"
+    losses = train_losses(tmp_path / "ref")
+    assert losses[-1] < losses[0]  # it learns from the pairs it was given
+    half = tmp_path / "ref" / "checkpoints" / "step_00000004.pt"
+    run.run(cfg(tmp_path, *base, f"resume={half}", name="again"))
+    a, b = last_weights(tmp_path / "ref"), last_weights(tmp_path / "again")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+RENAMED = "+data.kwargs={input_key: img_, target_key: cls}"  # keys no usual name matches
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        ([], None),  # pixel_values / label: the usual names
+        ([RENAMED, "data.input_key=img_", "data.target_key=cls"], None),
+        ([RENAMED, "data.input_key=img_"], "data.target_key=None is null and none of the usual"),
+        ([RENAMED], "data.input_key=None is null and none of the usual"),
+        (["data.target_key=klass"], "data.target_key='klass' is not one of them"),
+    ],
+)
+def test_dict_samples_name_their_pair_or_the_key_to_set(tmp_path, overrides, needle):
+    conv = [o for o in CONV if "data.target" not in o]
+    c = cfg(tmp_path, *conv, "data.target=own_data:blobs_dicts", "trainer.max_steps=2", *overrides)
+    if needle is None:
+        assert run.run(c)["status"] == "completed"
+        return
+    with pytest.raises(ConfigError, match=needle) as e:
+        run.run(c)
+    assert "keys ['attention_mask', " in str(e.value)

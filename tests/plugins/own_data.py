@@ -119,3 +119,34 @@ def slow_val(marker: str, n_val: int = 64, delay: float = 0.1) -> dict:
     data = blobs(n=256)
     data["val"] = SlowVal(n_val, delay, marker, mark_at=16)
     return data
+
+
+class Dicts(Dataset):
+    """A dataset whose samples are dicts, as Hugging Face datasets give them: `names` maps each
+    entry of the wrapped (input, target) sample to its key; `extra` adds entries the model does
+    not read (an attention mask, an id)."""
+
+    def __init__(self, data: Dataset, names: tuple[str, str], extra: bool = True) -> None:
+        self.data, self.names, self.extra = data, names, extra
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        x, y = self.data[i]
+        sample = {self.names[0]: x, self.names[1]: y}
+        if self.extra:
+            sample.update(attention_mask=torch.ones_like(x, dtype=torch.long), idx=i)
+        return sample
+
+
+def blobs_dicts(input_key: str = "pixel_values", target_key: str = "label") -> dict:
+    made = blobs()
+    names = (input_key, target_key)
+    return {**made, "train": Dicts(made["train"], names), "val": Dicts(made["val"], names)}
+
+
+def counting_dicts() -> dict:
+    made = counting()
+    names = ("input_ids", "labels")
+    return {**made, "train": Dicts(made["train"], names), "val": Dicts(made["val"], names)}

@@ -6,7 +6,11 @@ and what they teach, as a dict or an object with these fields:
     {"train": Dataset, "val": Dataset, "vocab_size": 256}     # language modelling: (tokens, next)
 
 Map-style torch Datasets of (input, target) pairs: a float tensor and an int label, or two
-equal-length int tensors of token ids (the targets shifted by one). They load through the
+equal-length int tensors of token ids (the targets shifted by one). A sample may also be a
+dict, as Hugging Face datasets and many pipelines give them ({"pixel_values": x, "label": y},
+{"input_ids": ..., "labels": ...}): `data.input_key` and `data.target_key` name the two entries
+(null: the usual names, INPUT_KEYS and TARGET_KEYS below), and each sample becomes that pair
+where it is read, in the loader's workers too. They load through the
 same EpochLoader as every built-in dataset: the same workers, rank dealing (DDP, FSDP2) and
 exact resume part-way through an epoch. Shapes are checked before training."""
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -38,6 +43,8 @@ class Config:
     target: Optional[str] = MISSING  # package.module:callable returning the datasets
     path: Optional[str] = MISSING  # a folder put first on the module path for data.target
     kwargs: Dict[str, Any] = MISSING  # the callable's arguments
+    input_key: Optional[str] = MISSING  # a dict sample's input entry (null: INPUT_KEYS)
+    target_key: Optional[str] = MISSING  # a dict sample's target entry (null: TARGET_KEYS)
 
     def __post_init__(self) -> None:
         check(
@@ -47,6 +54,54 @@ class Config:
             "package.module:callable returning {'train', 'val', 'num_classes' or 'vocab_size'}",
         )
         targets.check_target("data.target", self.target)
+
+
+INPUT_KEYS = ("input_ids", "pixel_values", "inputs", "input", "image", "x")
+TARGET_KEYS = ("labels", "label", "targets", "target", "y")
+
+
+class Pairs:
+    """A dataset of dict samples read as (input, target) pairs: the entries `keys` names
+    (picklable: DataLoader workers read it too)."""
+
+    def __init__(self, dataset, keys: tuple[str, str]) -> None:
+        self.dataset, self.keys = dataset, keys
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        sample = self.dataset[i]
+        return sample[self.keys[0]], sample[self.keys[1]]
+
+
+def _keys(where: str, sample: Mapping, cfg_keys: tuple) -> tuple[str, str]:
+    """The (input, target) entries of a dict sample: the configured ones, or the usual names."""
+    found = []
+    for key, given, usual in zip(("input_key", "target_key"), cfg_keys, (INPUT_KEYS, TARGET_KEYS)):
+        name = given or next((k for k in usual if k in sample), None)
+        if name is None or name not in sample:
+            why = "is not one of them" if given else f"is null and none of the usual {usual} is"
+            raise ConfigError(
+                f"{where} is a dict with keys {sorted(map(str, sample))}: "
+                f"data.{key}={given!r} {why}; set data.{key}=<one of its keys>"
+            )
+        found.append(name)
+    return found[0], found[1]
+
+
+def _as_pairs(target: str, split: str, ds, cfg_keys: tuple):
+    sample = ds[0]
+    if not isinstance(sample, Mapping):
+        return ds
+    keys = _keys(f"data.target={target!r}: {split}[0]", sample, cfg_keys)
+    log.info(
+        "data.target=%r: %s samples are dicts: (%s, %s) is the (input, target) pair",
+        target,
+        split,
+        *keys,
+    )
+    return Pairs(ds, keys)
 
 
 @dataclass(frozen=True)
@@ -63,7 +118,7 @@ def _field(obj: Any, key: str) -> Any:
 
 
 @functools.lru_cache(maxsize=4)
-def _load(target: str, path: str | None, kwargs_json: str) -> Loaded:
+def _load(target: str, path: str | None, kwargs_json: str, keys: tuple = (None, None)) -> Loaded:
     key = "data.target"
     fn = targets.load(key, target, path)
     out = targets.call(key, target, fn, json.loads(kwargs_json), {})
@@ -80,6 +135,7 @@ def _load(target: str, path: str | None, kwargs_json: str) -> Loaded:
                 f"{key}={target!r}: its {split!r} dataset must be a non-empty map-style "
                 "Dataset (__len__ and __getitem__)"
             )
+    train, val = _as_pairs(target, "train", train, keys), _as_pairs(target, "val", val, keys)
     lm = vocab is not None
     shape = _check_sample(target, "train", train[0], lm, int(vocab or classes))
     if _check_sample(target, "val", val[0], lm, int(vocab or classes)) != shape:
@@ -114,7 +170,8 @@ def _check_sample(target: str, split: str, sample: Any, lm: bool, n: int) -> tup
 
 def load(cfg: Config) -> Loaded:
     """The user's datasets, checked (called once per process for these settings)."""
-    return _load(cfg.target, cfg.path, json.dumps(dict(cfg.kwargs), sort_keys=True))
+    kwargs = json.dumps(dict(cfg.kwargs), sort_keys=True)
+    return _load(cfg.target, cfg.path, kwargs, (cfg.input_key, cfg.target_key))
 
 
 def spec(cfg: Config) -> tuple[int, tuple[int, ...]]:
