@@ -72,7 +72,7 @@ def main() -> None:
     from mixprec.parallel import distributed
     from mixprec.run import build
     from mixprec.run.config import compose_config, validate
-    from mixprec.train import loop
+    from mixprec.training import loop
 
     c = validate(compose_config([a.base, "logger=none", *a.overrides]))
     hw = build.resolve_hardware(c)

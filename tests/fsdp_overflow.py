@@ -16,7 +16,7 @@ from torch import nn
 
 from mixprec.parallel import sharding
 from mixprec.precision import base as precision
-from mixprec.train import loop
+from mixprec.training import loop
 
 from conftest import group
 

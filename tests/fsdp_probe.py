@@ -17,7 +17,7 @@ from mixprec import data as datasets
 from mixprec.parallel import distributed, sharding
 from mixprec.run import build
 from mixprec.run.config import validate
-from mixprec.train import loop
+from mixprec.training import loop
 
 from conftest import LM_CPU, compose_cfg
 

@@ -13,8 +13,8 @@ from torch import nn
 from mixprec import models
 from mixprec.core.errors import ConfigError
 from mixprec.run import session as run
-from mixprec.train import batch_size
-from mixprec.train.batch_size import search, split_effective, with_margin
+from mixprec.training import batch_size
+from mixprec.training.batch_size import search, split_effective, with_margin
 
 from conftest import group
 

@@ -311,7 +311,7 @@ def test_a_run_stops_its_persistent_workers_before_it_returns(cfg_factory, tmp_p
     each for 5 s (pytorch#81794; 80 s for 16 workers on the H200 host)."""
     import multiprocessing as mp
 
-    from mixprec.train import loop
+    from mixprec.training import loop
 
     root = make_folder(tmp_path / "imgs", n=12)
     before, seen, train = set(mp.active_children()), [], loop.train

@@ -19,7 +19,7 @@ from torch import nn
 from mixprec.optim import optimizers as optim
 from mixprec.parallel import ddp, distributed
 from mixprec.precision import base as precision
-from mixprec.train import loop
+from mixprec.training import loop
 
 import wandb_log
 from conftest import (
@@ -175,7 +175,7 @@ def test_slurm_environment_is_read(monkeypatch):
 def test_stop_signals_hand_over_to_the_previous_handler():
     import signal
 
-    from mixprec.train.safety import StopSignals
+    from mixprec.training.safety import StopSignals
 
     seen = []
     old = signal.signal(signal.SIGUSR2, lambda s, f: seen.append(s))  # e.g. submitit's requeue

@@ -17,7 +17,7 @@ from mixprec.core.errors import Diverged
 from mixprec.diagnostics import doctor
 from mixprec.precision.base import GradScaler, Precision, PrecisionConfig
 from mixprec.run import session as run
-from mixprec.train import loop
+from mixprec.training import loop
 
 from conftest import run_module
 

@@ -124,7 +124,7 @@ def resume_auto_on_a_finished_run(cfg_factory, tmp_path):
 def a_bug(cfg_factory, tmp_path):
     """An unexpected exception inside the run: Hydra prints it and the process exits 1."""
     code = (
-        "import runpy, sys, mixprec.train.loop as loop\n"
+        "import runpy, sys, mixprec.training.loop as loop\n"
         "def boom(*a, **k): raise RuntimeError('a bug')\n"
         "loop.train = boom\n"
         f"sys.argv = ['train.py', 'logger=none', 'hydra.run.dir={tmp_path / 'bug'}']\n"

@@ -387,7 +387,7 @@ sys.path.insert(0, {tests!r})
 from conftest import compose_cfg
 from mixprec.core import files
 from mixprec.run import session
-from mixprec.train import loop
+from mixprec.training import loop
 
 def peer_died(*a, **k):  # what a rank meets when its peer is gone: gloo's error
     raise RuntimeError("Connection closed by peer [127.0.0.1]:29500")

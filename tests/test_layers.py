@@ -92,9 +92,9 @@ def test_an_upward_import_is_found_lazy_and_relative_ones_too(tmp_path):
     assert f"mixprec.core.fake imports mixprec.run.session (floor {run} >= {core})" in violations(
         path, "mixprec.core.fake"
     )
-    path.write_text("from mixprec.train.loop import train\nfrom mixprec.models import parts\n")
-    train, prec = floor["train"], floor["precision"]
+    path.write_text("from mixprec.training.loop import train\nfrom mixprec.models import parts\n")
+    train, prec = floor["training"], floor["precision"]
     assert violations(path, "mixprec.precision.fake") == [
-        f"mixprec.precision.fake imports mixprec.train.loop (floor {train} >= {prec})"
+        f"mixprec.precision.fake imports mixprec.training.loop (floor {train} >= {prec})"
     ]
     assert violations(path, "mixprec.run.fake") == []

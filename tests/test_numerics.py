@@ -122,10 +122,10 @@ def ops_of_a_loop(numerics, tmp_path) -> int:
     from mixprec.diagnostics.numerics import Numerics
     from mixprec.precision import base as precision
     from mixprec.sinks.tracking import Tracker
-    from mixprec.train import loop
-    from mixprec.train.ledger import Hooks
-    from mixprec.train.perf import Throughput
-    from mixprec.train.safety import DivergenceGuard
+    from mixprec.training import loop
+    from mixprec.training.ledger import Hooks
+    from mixprec.training.perf import Throughput
+    from mixprec.training.safety import DivergenceGuard
 
     from conftest import group
 

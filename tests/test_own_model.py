@@ -471,7 +471,7 @@ def test_a_buffer_non_finite_by_design_trains_checkpoints_and_resumes(tmp_path):
 def test_the_guard_leaves_out_only_what_was_non_finite_before_training():
     from own_models import MaskedLM
 
-    from mixprec.train.safety import DivergenceGuard
+    from mixprec.training.safety import DivergenceGuard
 
     model = MaskedLM(vocab_size=8, max_seq_len=4)
     model.register_buffer("stat", torch.ones(3))

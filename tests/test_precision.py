@@ -16,7 +16,7 @@ from mixprec.precision import base as precision
 from mixprec.precision.step_guards import BatchNormGuard
 from mixprec.run import build
 from mixprec.run.config import validate
-from mixprec.train import loop
+from mixprec.training import loop
 
 from conftest import compose_cfg, group
 
@@ -307,9 +307,9 @@ class OverflowOnce(InfGrad):
 def loop_run(model, data, device, fused: bool, tmp_path, settle_late: bool = True):
     """loop.train over `data` for 8 optimizer steps, logging every 4."""
     from mixprec.sinks.tracking import Tracker
-    from mixprec.train.ledger import Hooks
-    from mixprec.train.perf import Throughput
-    from mixprec.train.safety import DivergenceGuard
+    from mixprec.training.ledger import Hooks
+    from mixprec.training.perf import Throughput
+    from mixprec.training.safety import DivergenceGuard
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
     learner = loop.Learner(

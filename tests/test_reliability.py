@@ -18,7 +18,7 @@ from mixprec.core.errors import CheckpointError
 from mixprec.optim import optimizers as optim
 from mixprec.precision import base as precision
 from mixprec.run import session as run
-from mixprec.train import ledger, loop
+from mixprec.training import ledger, loop
 
 from conftest import ROOT, group, last_weights, run_train, threads_as_here
 
@@ -218,7 +218,7 @@ def test_no_checkpoint_over_nan_batchnorm_statistics():
     with scaler.guard_bn_stats=false) would make every evaluation of the checkpoint NaN."""
     from torch import nn
 
-    from mixprec.train.safety import DivergenceGuard
+    from mixprec.training.safety import DivergenceGuard
 
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     guard, saved = DivergenceGuard(torch.device("cpu"), 3, 1.0), []

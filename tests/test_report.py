@@ -106,7 +106,7 @@ def test_dtype_audit_and_alignment_on_a_tiny_model():
 
 
 def test_grad_histograms_see_true_not_scaled_gradients():
-    from mixprec.train import loop
+    from mixprec.training import loop
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))

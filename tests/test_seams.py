@@ -24,7 +24,7 @@ from mixprec.precision import base as precision
 from mixprec.run import build, layout
 from mixprec.run import session as run
 from mixprec.run.config import validate
-from mixprec.train import loop
+from mixprec.training import loop
 
 from conftest import ROOT, compose_cfg, group, run_train
 
@@ -266,7 +266,7 @@ def test_a_precision_hears_after_every_optimizer_step_attempted_skipped_ones_too
     skipped included (a stateful recipe's hook, without editing the loop)."""
     from torch import nn
 
-    from mixprec.train import loop
+    from mixprec.training import loop
 
     calls = []
 

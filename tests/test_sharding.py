@@ -19,7 +19,7 @@ from mixprec.parallel import sharding
 from mixprec.run import build
 from mixprec.run import session as run
 from mixprec.run.config import validate
-from mixprec.train import loop
+from mixprec.training import loop
 
 from conftest import (
     LM_CPU,

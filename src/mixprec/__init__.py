@@ -3,7 +3,8 @@
 The code lives in subpackages by concern, on floors: a module may import its own subpackage and
 any subpackage on a lower floor, never one on its own floor or above (tests/test_layers.py checks
 every import, lazy ones included). The entry points at this level (diagnose, export, prepare,
-study, sync: `python -m mixprec.<name>`) sit above them all.
+study, sync: `python -m mixprec.<name>`; api: `mixprec.train(...)` from Python) sit above
+them all.
 
   0 internals     torch's private state: every read of it (torch_private.py) and every patch
                   of it behind version gates; it imports nothing of mixprec's but itself
@@ -13,12 +14,27 @@ study, sync: `python -m mixprec.<name>`) sit above them all.
   3 precision checkpoint compile sinks
                   the precision plugins, checkpoints, torch.compile, the loggers
   4 diagnostics   the precision doctor and the dtype audit
-  5 train         the loop, each step's ledger, batch=auto's search, stop signals, throughput
+  5 training      the loop, each step's ledger, batch=auto's search, stop signals, throughput
   6 report        reading run dirs: the sweep report, its plots, the time-to-quality study
   7 run           the config schema, the builder and a run's life in its run dir
 """
 
 __version__ = "0.1.0"
+
+
+def train(*args, **kwargs) -> dict:
+    """The Python entry (api.py): one run from your objects, as train.py makes it."""
+    from mixprec import api
+
+    return api.train(*args, **kwargs)
+
+
+def sweep(*args, **kwargs) -> dict:
+    """The Python entry (api.py): one run per precision, and the sweep's report."""
+    from mixprec import api
+
+    return api.sweep(*args, **kwargs)
+
 
 FLOORS = (
     ("internals",),
@@ -26,7 +42,7 @@ FLOORS = (
     ("models", "data", "optim", "parallel"),
     ("precision", "checkpoint", "compile", "sinks"),
     ("diagnostics",),
-    ("train",),
+    ("training",),
     ("report",),
     ("run",),
 )

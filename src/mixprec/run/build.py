@@ -29,7 +29,7 @@ from mixprec.precision import fp8_early, fp32_layers
 from mixprec.run import config, rundir
 from mixprec.run import layout as layouts
 from mixprec.run.config import TrainConfig
-from mixprec.train import loop, perf
+from mixprec.training import loop, perf
 
 log = logging.getLogger("mixprec")
 

@@ -37,9 +37,9 @@ from mixprec.parallel import strategy
 from mixprec.precision import base as precisions
 from mixprec.precision.base import ScalerConfig
 from mixprec.report.study import StudyConfig
-from mixprec.train.batch_size import BatchSearchConfig
-from mixprec.train.perf import MIN_TIMED_STEPS
-from mixprec.train.safety import DebugConfig
+from mixprec.training.batch_size import BatchSearchConfig
+from mixprec.training.perf import MIN_TIMED_STEPS
+from mixprec.training.safety import DebugConfig
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"  # the repository's conf/ (pip install -e)
 

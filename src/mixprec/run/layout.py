@@ -17,7 +17,7 @@ from mixprec.core.errors import ConfigError
 from mixprec.parallel import strategy
 from mixprec.precision import base as precision
 from mixprec.run.config import TrainConfig
-from mixprec.train import batch_size, loop
+from mixprec.training import batch_size, loop
 
 log = logging.getLogger("mixprec.run.build")
 

@@ -43,9 +43,9 @@ from mixprec.run import build, messages, rundir, summary
 from mixprec.run.config import validate
 from mixprec.sinks import describe
 from mixprec.sinks.tracking import Tracker
-from mixprec.train import batch_size, loop, perf
-from mixprec.train.ledger import Hooks
-from mixprec.train.safety import DivergenceGuard, StopSignals, signals_held
+from mixprec.training import batch_size, loop, perf
+from mixprec.training.ledger import Hooks
+from mixprec.training.safety import DivergenceGuard, StopSignals, signals_held
 
 log = logging.getLogger("mixprec")
 

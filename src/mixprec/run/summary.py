@@ -15,7 +15,7 @@ from mixprec.checkpoint import store as checkpoint
 from mixprec.core import hardware, metrics
 from mixprec.core.errors import MixprecError
 from mixprec.sinks.local import make, write
-from mixprec.train import perf
+from mixprec.training import perf
 
 
 def of_session(s) -> dict:

@@ -30,7 +30,7 @@ from omegaconf import MISSING
 from mixprec.core import files, hardware
 from mixprec.core.errors import check
 from mixprec.parallel import distributed
-from mixprec.train import loop
+from mixprec.training import loop
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 65536

@@ -21,7 +21,7 @@ from mixprec.core.tasks import CLASSIFY, Task, logits_of
 from mixprec.parallel import sharding
 from mixprec.precision.base import Precision
 from mixprec.precision.step_guards import BatchNormGuard, StepWatch
-from mixprec.train.ledger import Hooks, StepLedger
+from mixprec.training.ledger import Hooks, StepLedger
 
 
 @dataclass

@@ -18,8 +18,8 @@ from mixprec.diagnostics.dtype_plan import Watch
 from mixprec.diagnostics.numerics import Numerics
 from mixprec.parallel.distributed import Dist
 from mixprec.sinks.tracking import Tracker
-from mixprec.train.perf import Throughput
-from mixprec.train.safety import DivergenceGuard, StopSignals
+from mixprec.training.perf import Throughput
+from mixprec.training.safety import DivergenceGuard, StopSignals
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,95 @@
+"""The Python entry (mixprec.train / mixprec.sweep), driven as a notebook drives it: objects in,
+the same run dir and summary out, the same refusals as exceptions naming the key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import mixprec
+from mixprec.core.errors import ConfigError
+
+from conftest import ROOT
+
+CPU = ["hardware=cpu", "logger=none", "trainer.max_steps=6", "trainer.perf_warmup_steps=0"]
+
+
+@pytest.fixture
+def user(monkeypatch):
+    """The user's own modules (tests/plugins), imported as a notebook imports them."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "plugins"))
+    import own_data
+    import own_models
+
+    return own_models, own_data
+
+
+def test_a_module_and_two_datasets_train_and_the_module_is_left_as_it_was(user, tmp_path):
+    own_models, own_data = user
+    net = own_models.plain_mlp(num_classes=4, input_shape=(1, 8, 8))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    d = own_data.blobs()
+    s = mixprec.train(
+        model=net,
+        data=(d["train"], d["val"]),
+        num_classes=4,
+        overrides=[*CPU, "precision=bf16"],
+        run_dir=tmp_path / "run",
+    )
+    assert (s["status"], s["steps"], s["precision"]) == ("completed", 6, "bf16")
+    on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert on_disk["val_loss"] == s["val_loss"]
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
+    assert "completed in" in (tmp_path / "run" / "train.log").read_text()
+    trained = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert any(not torch.equal(trained[k], before[k]) for k in before)  # it trained a copy
+    assert all(torch.equal(net.state_dict()[k], before[k]) for k in before)  # not the user's
+
+
+def test_a_builder_gets_the_runs_facts_and_a_sweep_writes_its_report(user, tmp_path):
+    own_models, own_data = user
+    runs = mixprec.sweep(
+        model=own_models.plain_mlp,  # called with num_classes and input_shape from the data
+        data=own_data.blobs(),
+        precisions=["fp32", "bf16"],
+        overrides=CPU,
+        sweep_dir=tmp_path / "sweep",
+    )
+    assert {p: s["status"] for p, s in runs.items()} == {"fp32": "completed", "bf16": "completed"}
+    report = (tmp_path / "sweep" / "report.md").read_text()
+    assert "| fp32 |" in report and "| bf16 |" in report
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(overrides=["precision=fp64"]), "Could not find 'precision/fp64'"),
+        (dict(overrides=["trainer.max_steps=0"]), "trainer.max_steps=0"),
+        (dict(data=("train", "val")), "one of num_classes= .* or vocab_size="),
+        (dict(model=42), "got int: give a torch.nn.Module"),
+    ],
+)
+def test_bad_inputs_raise_a_config_error_naming_them_and_write_nothing(tmp_path, kwargs, needle):
+    with pytest.raises(ConfigError, match=needle):
+        mixprec.train(**{"overrides": CPU, **kwargs}, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_the_docs_python_block_runs_as_written(user, tmp_path, monkeypatch):
+    """docs/own-model.md's `mixprec.train` block, pasted into a notebook cell."""
+    import re
+
+    text = (ROOT / "docs" / "own-model.md").read_text()
+    block = re.search(r"## From Python.*?```python\n(.*?)```", text, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    cell: dict = {}
+    exec(compile(block, "own-model.md", "exec"), cell)
+    assert cell["summary"]["status"] == "completed"
+    assert {p: s["status"] for p, s in cell["runs"].items()} == {
+        "fp32": "completed",
+        "bf16": "completed",
+    }
+    assert (tmp_path / "outputs" / "python" / "mlp" / "summary.json").is_file()
