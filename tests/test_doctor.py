@@ -202,3 +202,22 @@ def test_a_scale_that_overflows_the_output_gradient_is_named_not_not_reproduced(
     assert (
         "loss scale itself overflowed" in text and "head" in text and "not reproduced" not in text
     )
+
+
+def test_diagnose_tells_a_finished_fp32_run_what_was_not_measured_and_how(cfg_factory):
+    """A newcomer's first diagnose: fp32 casts nothing, so debug.numerics has nothing to probe
+    (said at the run's start and by diagnose); a finished run is to be run again, not resumed
+    (a resume of it trains nothing more); a stopped one may be resumed."""
+    from mixprec import diagnose
+
+    cfg = cfg_factory(*SMALL, "precision=fp32", "trainer.max_steps=2", "debug.numerics=true")
+    s = run.run(cfg)
+    assert not (Path(cfg.run_dir) / "numerics.jsonl").exists()
+    shown = diagnose.shown_run(Path(cfg.run_dir))
+    assert "Nothing to measure: precision=fp32 casts nothing" in shown
+    assert "Run it again with debug.locate=true" in shown and "resume" not in shown
+    assert s["status"] == "completed"
+    stopped = {**s, "status": "preempted"}
+    (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(stopped))
+    shown = diagnose.shown_run(Path(cfg.run_dir))
+    assert "Run it again (or resume it) with debug.locate=true" in shown

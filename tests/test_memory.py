@@ -30,6 +30,11 @@ def test_weights_gradients_and_adamw_state_of_n_parameters_are_exact(cfg_factory
     assert b["gradients"] * GIB == 4 * n
     assert b["optimizer_state"] * GIB == 8 * n + 4 * tensors  # exp_avg, exp_avg_sq, step
     assert b["activations"] is None and b["temporaries"] is None and b["peak"] is None
+    from mixprec.diagnostics import memory
+
+    table = memory.markdown(b)  # a small model: MiB, the weights' row its exact size
+    assert "| part | MiB |" in table and f"| weights | {4 * n / 2**20:.3f} |" in table
+    assert "| part | GiB |" in memory.markdown({**b, "weights": 2.5})  # a GiB-sized part
 
 
 def test_shared_storage_and_sharded_tensors_count_once():

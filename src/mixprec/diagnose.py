@@ -39,9 +39,19 @@ def shown_run(run_dir: Path) -> str:
         "## precision doctor",
         "",
     ]
-    doctor = _shown("doctor findings", lambda: _doctor(s.get("doctor") or []))
+    again = _again(s)
+    doctor = _shown("doctor findings", lambda: _doctor(s.get("doctor") or [], again))
     plan = _shown("dtype plan", lambda: _plan(s))
-    return "\n".join(lines + doctor + _numerics(run_dir) + plan)
+    return "\n".join(lines + doctor + _numerics(run_dir, s, again) + plan)
+
+
+def _again(s: dict) -> str:
+    """How to measure what the run did not: a finished run is run again (a resume of it
+    trains nothing more); one that stopped may be resumed with the switch."""
+    return "Run it again" if s.get("status") == "completed" else "Run it again (or resume it)"
+
+
+FP32 = ("fp32", "tf32")  # the built-in precisions that cast nothing
 
 
 def _shown(what: str, lines) -> list[str]:
@@ -57,14 +67,19 @@ def _shown(what: str, lines) -> list[str]:
         ]
 
 
-def _numerics(run_dir: Path) -> list[str]:
+def _numerics(run_dir: Path, s: dict, again: str) -> list[str]:
     """The worst casts of the run's last numerics probe (numerics.jsonl)."""
     from mixprec.diagnostics import numerics
 
     rows = numerics.read(run_dir)
     lines = ["", "## numerics (debug.numerics)", ""]
+    if not rows and s.get("precision") in FP32:
+        return lines + [
+            f"Nothing to measure: precision={s.get('precision')} casts nothing (no autocast, no "
+            "converted layer); the numerics of a cast are measured at amp, bf16 or fp8."
+        ]
     if not rows:
-        return lines + ["Not measured: run (or resume) with debug.numerics=true."]
+        return lines + [f"Not measured: {again.lower()} with debug.numerics=true."]
     last = max(r["step"] for r in rows)
     at = [r for r in rows if r["step"] == last]
     return lines + [
@@ -85,13 +100,13 @@ def _plan(s: dict) -> list[str]:
     return lines + [dtype_plan.markdown(plan)]
 
 
-def _doctor(found: list[dict]) -> list[str]:
+def _doctor(found: list[dict], again: str = "Run it again") -> list[str]:
     from mixprec.diagnostics.doctor import sentence
 
     if not found:
         return [
             "No step was examined: the run had debug.locate=false and did not stop "
-            "for divergence. Run it again (or resume it) with debug.locate=true."
+            f"for divergence. {again} with debug.locate=true."
         ]
     lines = []
     lines += [

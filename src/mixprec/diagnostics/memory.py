@@ -177,11 +177,17 @@ def _gib(parts: dict) -> dict:
 
 
 def markdown(b: dict) -> str:
-    lines = ["| part | GiB |", "|---|---|"]
+    """The table in GiB, or in MiB where every part is under 1 GiB (a small model, a CPU run:
+    rows of 0.000 GiB say nothing); memory.json keeps GiB either way."""
+    values = [b.get(k) for k in (*PARTS, "peak")]
+    small = max((v for v in values if isinstance(v, (int, float))), default=0) < 1
+    unit, scale = ("MiB", 1024) if small else ("GiB", 1)
+    lines = [f"| part | {unit} |", "|---|---|"]
     for k in PARTS:
         v = b.get(k)
-        lines.append(f"| {k.replace('_', ' ')} | {'not measured' if v is None else f'{v:.3f}'} |")
+        shown = "not measured" if v is None else f"{v * scale:.3f}"
+        lines.append(f"| {k.replace('_', ' ')} | {shown} |")
     if b.get("peak") is not None:
-        lines.append(f"| **peak** ({b['phase']}) | **{b['peak']:.2f}** |")
-        lines.append(f"| reserve (held, unused) | {b['reserve']:.2f} |")
+        lines.append(f"| **peak** ({b['phase']}) | **{b['peak'] * scale:.2f}** |")
+        lines.append(f"| reserve (held, unused) | {b['reserve'] * scale:.2f} |")
     return "\n".join(lines)

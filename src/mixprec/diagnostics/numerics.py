@@ -218,6 +218,13 @@ class Numerics:
                 "debug.numerics: the forward cannot be re-run here (CUDA graphs or a sharded "
                 "model); no numerics are measured"
             )
+        if usable and learner.precision.dtype is None and not learner.precision.owned():
+            log.info(
+                "debug.numerics: precision=%s casts nothing (no autocast, no converted layer): "
+                "nothing to probe; the numerics of a cast are measured at amp, bf16 or fp8",
+                learner.precision.name,
+            )
+            usable = False
         self.learner = learner if usable else None
         self.path = run_dir / "numerics.jsonl" if usable else None
         self.latest: list[dict] = []
