@@ -501,3 +501,50 @@ def test_two_processes_run_one_study_side_by_side_each_run_once(tmp_path):
     trained = [job for o in outs for job in trained_in(o.stdout)]
     assert sorted(trained) == sorted(f"{p}-seed{k}" for p in ("fp32", "bf16") for k in range(2))
     assert (tmp_path / "study.json").is_file()
+
+
+def test_the_evaluation_measures_its_own_noise_on_two_halves_of_the_validation_set():
+    """val/loss_noise is half the difference of the loss on alternate batches (the same weights
+    on two halves): batches with known losses give it exactly, and identical halves give 0."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from mixprec.optim import optimizers as optim
+    from mixprec.precision import base as precision
+    from mixprec.training import loop
+
+    from conftest import group
+
+    model = nn.Identity()
+    model.w = nn.Parameter(torch.zeros(1))  # an optimizer needs a parameter
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prec = precision.build(group("precision", "fp32"), group("scaler"), torch.device("cpu"))
+    learner = loop.Learner(model, opt, optim.build_scheduler(group("scheduler"), opt, 2), prec)
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(4, 3, generator=g) * (i + 1), torch.tensor([0, 1, 2, 0])) for i in range(3)
+    ]
+    val = loop.evaluate(learner, batches)
+    loss = [F.cross_entropy(x, y, reduction="sum").item() for x, y in batches]
+    a, b = (loss[0] + loss[2]) / 8, loss[1] / 4  # batches 0 and 2, and batch 1
+    assert val["val/loss_noise"] == pytest.approx(abs(a - b) / 2, rel=1e-5)
+    assert val["val/loss"] == pytest.approx(sum(loss) / 12, rel=1e-5)
+    same = loop.evaluate(learner, [batches[0], batches[0]])
+    assert same["val/loss_noise"] == pytest.approx(0.0, abs=1e-7)
+    assert "val/loss_noise" not in loop.evaluate(learner, batches[:1])  # one half only
+
+
+def test_study_md_sets_the_evaluation_noise_against_the_seed_spread():
+    from mixprec.report import seeds as study_seeds
+    from mixprec.report.study_md import _noise
+
+    finals = [2.0, 2.1, 1.9]
+    quiet = [seed("bf16", n, [3.0, f], noise=0.005) for n, f in enumerate(finals)]
+    got = study_seeds.eval_noise(quiet, "bf16")
+    assert got["noise"] == 0.005 and got["seed_spread"] == pytest.approx(0.1)
+    assert "small against it" in "\n".join(_noise(got))
+    loud = [seed("bf16", n, [3.0, f], noise=0.05) for n, f in enumerate(finals)]
+    text = "\n".join(_noise(study_seeds.eval_noise(loud, "bf16")))
+    assert "not small against it: a validation set 4x as large" in text  # (0.5 / 0.25)^2
+    assert study_seeds.eval_noise([seed("bf16", 0, [3.0, 2.0])], "bf16") is None
+    assert "Not measured" in "\n".join(_noise(None))

@@ -22,18 +22,15 @@ them all.
 __version__ = "0.1.0"
 
 
-def train(*args, **kwargs) -> dict:
-    """The Python entry (api.py): one run from your objects, as train.py makes it."""
-    from mixprec import api
+def __getattr__(name: str):
+    """`mixprec.train(...)` and `mixprec.sweep(...)`, the Python entry (api.py), loaded on first
+    use (PEP 562): `import mixprec` stays light (no torch, no Hydra), and the package's own
+    module imports nothing of the floors below it."""
+    if name in ("train", "sweep"):
+        import importlib
 
-    return api.train(*args, **kwargs)
-
-
-def sweep(*args, **kwargs) -> dict:
-    """The Python entry (api.py): one run per precision, and the sweep's report."""
-    from mixprec import api
-
-    return api.sweep(*args, **kwargs)
+        return getattr(importlib.import_module("mixprec.api"), name)
+    raise AttributeError(f"module 'mixprec' has no attribute {name!r}")
 
 
 FLOORS = (

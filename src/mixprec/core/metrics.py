@@ -50,6 +50,10 @@ METRICS: list[Metric] = [  # the report's columns come in this order
     Metric("mem/max_batch", "max_batch", report=True),
     Metric("val/loss", "val_loss", goal="min"),  # evaluate() sums the learner's own loss
     Metric("val/ppl", "val_ppl", goal="min"),  # LMs: exp(val/loss)
+    # the evaluation's own noise: half the difference of the loss on alternate batches (the
+    # same weights on two halves of the validation set), an estimate of val/loss's standard
+    # error; the time-to-quality study sets it against the differences it resolves
+    Metric("val/loss_noise", "val_loss_noise"),
     Metric("train/lr"),
     Metric("train/grad_norm"),
     Metric("perf/step_ms"),

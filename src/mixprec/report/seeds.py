@@ -30,6 +30,7 @@ class Seed:
     steps_to: float | None = None  # to the target; None: not reached
     seconds_to: float | None = None
     fit: dict | None = None  # smooth=power: a, b, c, s0, the steps fitted, the RMS residual
+    noise: float | None = None  # the median of its evaluations' val/loss_noise (loop.evaluate)
 
 
 def crashed_run(s: Seed) -> bool:
@@ -103,8 +104,30 @@ def _seed_of(run: Path, local) -> tuple[Seed | None, str | None]:
         diverged=diverged,
         final=curve[-1].loss if curve and not diverged else None,
         best=min(finite) if finite else None,
+        noise=_median([r.get("val/loss_noise") for r in rows]),
     )
     return seed_, None
+
+
+def _median(values: list) -> float | None:
+    v = sorted(x for x in values if isinstance(x, (int, float)) and math.isfinite(x))
+    return None if not v else (v[len(v) // 2] + v[(len(v) - 1) // 2]) / 2
+
+
+def eval_noise(seeds: list, reference: str) -> dict | None:
+    """The evaluation's own noise (the median over the reference's seeds of their evaluations'
+    val/loss_noise: the standard error of one evaluation's loss, from the same weights on two
+    halves of the validation set) against the spread between seeds at the end (the standard
+    deviation of the reference's final losses): what the study can tell apart sits in the
+    second; the first must be small against it. None where the runs did not measure it."""
+    ref = [s for s in seeds if s.precision == reference]
+    noise = _median([s.noise for s in ref])
+    finals = [s.final for s in ref if s.final is not None and math.isfinite(s.final)]
+    if noise is None or len(finals) < 2:
+        return None
+    mean = sum(finals) / len(finals)
+    spread = math.sqrt(sum((f - mean) ** 2 for f in finals) / (len(finals) - 1))
+    return {"noise": noise, "seed_spread": spread, "share": noise / spread if spread else None}
 
 
 FIRST_SEEDS = 3  # python -m mixprec.study run starts here (an interval needs 2; 3 is the norm)

@@ -60,7 +60,7 @@ from mixprec.report.curves import (  # noqa: F401 (crossing, ratio_interval: the
     paired_interval,
     ratio_interval,
 )
-from mixprec.report.seeds import Seed, crashed_run, read_seeds
+from mixprec.report.seeds import Seed, crashed_run, eval_noise, read_seeds
 from mixprec.report.study_md import markdown
 
 SMOOTH = ("power", "none")
@@ -363,6 +363,7 @@ def write(
         raise ConfigError(f"{sweep_dir}: no run dirs (with .hydra/) in it to study{why}")
     result = analyse(seeds, reference, target, budget, smooth, fit_from)
     result["left_out"] = left_out
+    result["eval_noise"] = eval_noise(seeds, reference)
     plain = {**result, "rows": [asdict(r) for r in result["rows"]]}
     plain["by_length"] = [
         {**pt, "rows": [asdict(r) for r in pt["rows"]]} for pt in result.get("by_length", [])

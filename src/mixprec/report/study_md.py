@@ -3,6 +3,8 @@ speedup against training length with its two factors, and the rules (censoring, 
 
 from __future__ import annotations
 
+import math
+
 from mixprec.report.curves import LEVEL
 from mixprec.report.report import escape
 
@@ -67,10 +69,40 @@ def markdown(result: dict) -> str:
         f"at the main target this touched {censored} seed(s). A run that crashed (a bug, out "
         "of memory, a kill) is named and left out.",
     ]
+    out += _noise(result.get("eval_noise"))
     if result.get("left_out"):
         out += ["", "Left out (not counted as seeds):"]
         out += [f"- {escape(why)}" for why in result["left_out"]]
     return "\n".join(out) + "\n"
+
+
+def _noise(n: dict | None) -> list[str]:
+    """The evaluation's own noise against the spread between seeds."""
+    head = ["", "### Evaluation noise", ""]
+    if not n:
+        return head + [
+            "Not measured: these runs predate val/loss_noise (the loss on two halves of the "
+            "validation set, logged at every evaluation), or the reference has fewer than 2 "
+            "seeds."
+        ]
+    share = n["share"]
+    if share is None:
+        verdict = "the seeds end at the same loss: nothing to compare the noise with"
+    elif share <= 0.25:
+        verdict = "small against it: the validation set is large enough for this study"
+    else:
+        more = max(4, math.ceil((share / 0.25) ** 2))
+        verdict = (
+            f"not small against it: a validation set {more}x as large (data.val_sequences, "
+            "or your val split) would bring it to a quarter (the noise falls as its square root)"
+        )
+    return head + [
+        f"One evaluation's standard error, from the same weights on two halves of the "
+        f"validation set (val/loss_noise, the median over the reference's evaluations): "
+        f"{n['noise']:.4f}; the spread between the reference's seeds at the end (their final "
+        f"loss's standard deviation): {n['seed_spread']:.4f}; the noise is "
+        f"{'-' if share is None else f'{share:.0%}'} of the spread, {verdict}."
+    ]
 
 
 def _ratio(v: float | None, iv: tuple | None) -> str:
