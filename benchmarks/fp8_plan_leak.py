@@ -14,7 +14,7 @@ import gc
 
 import torch
 
-from mixprec.precision import fp8_plan, fp8_timing
+from mixprec.precision import fp8_layers, fp8_timing
 
 
 def allocated_mib() -> float:
@@ -25,7 +25,7 @@ def allocated_mib() -> float:
 def main() -> None:
     dev = torch.device("cuda")
     print("start", allocated_mib())
-    for g in [fp8_plan.Gemm(25216, 768, 3072, True), fp8_plan.Gemm(25216, 3072, 768, True)]:
+    for g in [fp8_layers.Gemm(25216, 768, 3072, True), fp8_layers.Gemm(25216, 3072, 768, True)]:
         for recipe in ("bf16", "tensorwise"):
             us = fp8_timing.time_gemm((g,), recipe, True, dev)
             gc.collect()

@@ -1,4 +1,4 @@
-"""precision=fp8_auto (precision/fp8_plan.py): the per-layer choice on a fake timer, the shapes
+"""precision=fp8_auto (precision/fp8_layers.py): the per-layer choice on a fake timer, the shapes
 read from a forward, the timing cache and its key, the conversion that follows the plan, and a
 resumed run that keeps its plan. Timing on the GPU is test_gpu.py's (float8 needs one)."""
 
@@ -16,8 +16,8 @@ from torch import nn
 
 from mixprec.core.errors import MixprecError
 from mixprec.precision import base as precision
-from mixprec.precision import fp8_early, fp8_plan, fp8_timing
-from mixprec.precision.fp8_plan import BF16, Gemm, choose
+from mixprec.precision import fp8_early, fp8_layers, fp8_timing
+from mixprec.precision.fp8_layers import BF16, Gemm, choose
 from mixprec.run import build, rundir
 from mixprec.run.config import validate
 
@@ -68,16 +68,16 @@ def test_shapes_come_from_a_forward_and_the_cache_spares_a_second_measurement(tm
     model = Net()
     x = torch.randn(2, 8, 64)  # 16 rows per layer: M = batch x tokens
     names = ["wide1", "wide2", "narrow"]
-    gemms = fp8_plan.layer_gemms(model, x, lambda: torch.autocast("cpu", enabled=False), names)
+    gemms = fp8_layers.layer_gemms(model, x, lambda: torch.autocast("cpu", enabled=False), names)
     assert gemms == {
         "wide1": (Gemm(16, 64, 256, True), 1),
         "wide2": (Gemm(16, 256, 64, True), 1),
         "narrow": (Gemm(16, 64, 16, True), 1),
     }
     calls: list = []
-    cache = fp8_plan.TimingCache(str(tmp_path / "plan.json"))
+    cache = fp8_layers.TimingCache(str(tmp_path / "plan.json"))
     key = lambda shapes, r: f"gpu|{'&'.join(g.key() for g in shapes)}|{r}"  # noqa: E731
-    plan = fp8_plan.measure(gemms, ["tensorwise", "rowwise"], 0.05, fake_timer(calls), key, cache)
+    plan = fp8_layers.measure(gemms, ["tensorwise", "rowwise"], 0.05, fake_timer(calls), key, cache)
     assert {n: c.choice for n, c in plan.items()} == {
         "wide1": "tensorwise",
         "wide2": "tensorwise",
@@ -87,13 +87,15 @@ def test_shapes_come_from_a_forward_and_the_cache_spares_a_second_measurement(tm
     assert len(calls) == 3 * 3
     assert all(c.group is None for c in plan.values())  # no groups given: each layer alone
     again: list = []
-    cached = fp8_plan.TimingCache(str(tmp_path / "plan.json"))  # a new process, the same file
-    same = fp8_plan.measure(gemms, ["tensorwise", "rowwise"], 0.05, fake_timer(again), key, cached)
+    cached = fp8_layers.TimingCache(str(tmp_path / "plan.json"))  # a new process, the same file
+    same = fp8_layers.measure(
+        gemms, ["tensorwise", "rowwise"], 0.05, fake_timer(again), key, cached
+    )
     assert again == [] and {n: c.choice for n, c in same.items()} == {
         n: c.choice for n, c in plan.items()
     }
     (tmp_path / "plan.json").write_text("{not json")  # a broken cache is measured again
-    assert fp8_plan.TimingCache(str(tmp_path / "plan.json")).data == {}
+    assert fp8_layers.TimingCache(str(tmp_path / "plan.json")).data == {}
 
 
 class Attention(nn.Module):
@@ -129,7 +131,7 @@ def test_layers_that_read_one_input_are_timed_and_chosen_together(tmp_path, monk
     times. o reads another tensor: alone, and bf16."""
     model = Attention()
     groups: list = []
-    gemms = fp8_plan.layer_gemms(
+    gemms = fp8_layers.layer_gemms(
         model,
         torch.randn(16, 64),
         lambda: torch.autocast("cpu", enabled=False),
@@ -137,9 +139,9 @@ def test_layers_that_read_one_input_are_timed_and_chosen_together(tmp_path, monk
         groups,
     )
     assert groups == [["q", "k", "v"]]
-    cache = fp8_plan.TimingCache(str(tmp_path / "plan.json"))
+    cache = fp8_layers.TimingCache(str(tmp_path / "plan.json"))
     key = lambda shapes, r: f"gpu|{'&'.join(g.key() for g in shapes)}|{r}"  # noqa: E731
-    plan = fp8_plan.measure(gemms, ["tensorwise"], 0.05, shared_cast_timer, key, cache, groups)
+    plan = fp8_layers.measure(gemms, ["tensorwise"], 0.05, shared_cast_timer, key, cache, groups)
     assert {n: c.choice for n, c in plan.items()} == {
         "q": "tensorwise",
         "k": "tensorwise",
@@ -149,20 +151,20 @@ def test_layers_that_read_one_input_are_timed_and_chosen_together(tmp_path, monk
     assert plan["k"].group == "q+k+v" and plan["o"].group is None
     assert plan["k"].us == {BF16: pytest.approx(160 / 3), "tensorwise": pytest.approx(110 / 3)}
     assert sum(c.saving_us for c in plan.values()) == pytest.approx(50.0)
-    assert "with q+k+v" in fp8_plan.table(plan, ["tensorwise"])
+    assert "with q+k+v" in fp8_layers.table(plan, ["tensorwise"])
     # each layer alone (an eager run: no shared cast to count), k and v stay in bf16
-    alone = fp8_plan.measure(gemms, ["tensorwise"], 0.05, shared_cast_timer, key, cache)
+    alone = fp8_layers.measure(gemms, ["tensorwise"], 0.05, shared_cast_timer, key, cache)
     assert [n for n, c in alone.items() if c.choice != BF16] == ["q"]
     # through the plugin: a compiled run times the group, an eager one each layer alone
     monkeypatch.setattr(fp8_timing, "time_in_child", lambda todo, *a: shared_cast_timer(todo))
-    for compiled, fp8_layers in ((True, ["q", "k", "v"]), (False, ["q"])):
+    for compiled, in_fp8 in ((True, ["q", "k", "v"]), (False, ["q"])):
         prec = auto_plugin()
         prec.prepare(precision.Context(example=lambda: torch.randn(16, 64), compiled=compiled))
         prec.convert(Attention())
-        assert prec.converted == fp8_layers
+        assert prec.converted == in_fp8
     # a plan saved before groups existed reads back
     old = {k: v for k, v in plan["o"].as_dict().items() if k != "group"}
-    assert fp8_plan.Choice.from_dict(old).group is None
+    assert fp8_layers.Choice.from_dict(old).group is None
 
 
 def test_the_cache_key_changes_with_each_input(monkeypatch):
@@ -170,23 +172,23 @@ def test_the_cache_key_changes_with_each_input(monkeypatch):
 
     cpu = torch.device("cpu")
     g = Gemm(16, 64, 256, True)
-    base = fp8_plan.cache_key(g, "tensorwise", True, cpu)
+    base = fp8_layers.cache_key(g, "tensorwise", True, cpu)
     others = {
-        fp8_plan.cache_key(Gemm(32, 64, 256, True), "tensorwise", True, cpu),  # shape
-        fp8_plan.cache_key(Gemm(16, 64, 256, False), "tensorwise", True, cpu),  # bias
-        fp8_plan.cache_key(g, "rowwise", True, cpu),  # recipe
-        fp8_plan.cache_key(g, "tensorwise", False, cpu),  # compiled or eager
-        fp8_plan.cache_key((g, Gemm(16, 64, 32, True)), "tensorwise", True, cpu),  # a group
+        fp8_layers.cache_key(Gemm(32, 64, 256, True), "tensorwise", True, cpu),  # shape
+        fp8_layers.cache_key(Gemm(16, 64, 256, False), "tensorwise", True, cpu),  # bias
+        fp8_layers.cache_key(g, "rowwise", True, cpu),  # recipe
+        fp8_layers.cache_key(g, "tensorwise", False, cpu),  # compiled or eager
+        fp8_layers.cache_key((g, Gemm(16, 64, 32, True)), "tensorwise", True, cpu),  # a group
     }
-    assert fp8_plan.cache_key((g,), "tensorwise", True, cpu) == base  # one layer: as before
+    assert fp8_layers.cache_key((g,), "tensorwise", True, cpu) == base  # one layer: as before
     monkeypatch.setattr(torch, "__version__", "9.9.9")
-    others.add(fp8_plan.cache_key(g, "tensorwise", True, cpu))  # torch
+    others.add(fp8_layers.cache_key(g, "tensorwise", True, cpu))  # torch
     monkeypatch.undo()
     monkeypatch.setattr(torchao, "__version__", "0.0.1")
-    others.add(fp8_plan.cache_key(g, "tensorwise", True, cpu))  # torchao
+    others.add(fp8_layers.cache_key(g, "tensorwise", True, cpu))  # torchao
     monkeypatch.undo()
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Another GPU")
-    others.add(fp8_plan.cache_key(g, "tensorwise", True, torch.device("cuda")))  # the GPU
+    others.add(fp8_layers.cache_key(g, "tensorwise", True, torch.device("cuda")))  # the GPU
     assert base not in others and len(others) == 8
 
 
@@ -246,14 +248,14 @@ def test_the_timing_process_starts_early_only_where_the_cache_lacks_this_gpu(mon
     monkeypatch.setattr(fp8_timing, "Child", FakeChild)
     monkeypatch.setattr(fp8_early, "spawn", lambda device, n, early=False: (device, 0.0))
     monkeypatch.setattr(fp8_early, "processes", lambda: 2)
-    monkeypatch.setattr(fp8_plan, "machine", lambda d: "H200|torch 2.11|torchao 0.18")
+    monkeypatch.setattr(fp8_layers, "machine", lambda d: "H200|torch 2.11|torchao 0.18")
     cache = tmp_path / "plan.json"
     FakeChild.started = []
     prec = auto_plugin(fp8_plan_cache=str(cache))
     prec.warm_up(cuda, True)
     assert len(FakeChild.started) == 2 and not any(c.closed for c in FakeChild.started)
     prec.prepare(precision.Context(example=lambda: torch.randn(4, 64)))
-    monkeypatch.setattr(fp8_plan, "cache_key", lambda g, r, c, d: f"H200|x|{g}|{r}")
+    monkeypatch.setattr(fp8_layers, "cache_key", lambda g, r, c, d: f"H200|x|{g}|{r}")
     prec.convert(Net())
     assert all(c.closed for c in FakeChild.started) and prec.children == [] and prec.timed > 0
     assert all(c.share for c in FakeChild.started)  # both took a share
@@ -346,7 +348,7 @@ def test_the_plan_claims_the_early_processes_of_its_gpu_and_the_builder_ends_the
     monkeypatch.setattr(fp8_early, "processes", lambda: 2)
     monkeypatch.setattr(fp8_early, "_early", [])  # none left to the process's end
     monkeypatch.setattr(fp8_timing, "Child", FakeChild)
-    monkeypatch.setattr(fp8_plan, "machine", lambda d: "H200|torch 2.11|torchao 0.18")
+    monkeypatch.setattr(fp8_layers, "machine", lambda d: "H200|torch 2.11|torchao 0.18")
     argv = ["precision=fp8_auto", "precision.fp8_plan_cache=null"]
     fp8_early.start(argv)
     assert [p.device for p in spawned] == ["cuda:0", "cuda:0"]

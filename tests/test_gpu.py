@@ -492,7 +492,7 @@ def test_fp8_auto_plans_on_the_gpu_caches_its_timings_and_a_resume_keeps_the_pla
     """precision=fp8_auto on the width-512 LM: each layer's choice is the fastest recipe that
     beats bf16 by the margin on the timings it measured; a second run with the same cache times
     nothing; a resume from the first run keeps its plan (nothing timed, the same choices)."""
-    from mixprec.precision.fp8_plan import choose
+    from mixprec.precision.fp8_layers import choose
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no float8 tensor cores on this GPU")
@@ -650,7 +650,7 @@ def test_the_fp8_timings_leave_nothing_allocated_in_the_training_process():
     """Each in-process timing left 65-130 MiB that nothing freed; in the child process
     (fp8_timing.time_in_child) they leave the training process's allocation as it was, and the
     child's answers are GPU times (positive, a bigger GEMM slower)."""
-    from mixprec.precision.fp8_plan import BF16, Gemm
+    from mixprec.precision.fp8_layers import BF16, Gemm
     from mixprec.precision.fp8_timing import time_in_child
 
     if torch.cuda.get_device_capability() < (8, 9):
@@ -674,7 +674,7 @@ def test_children_that_compile_at_once_time_as_one_child_alone_does():
     """The plan's children compile their shares at the same time and then time one after
     another (fp8_timing.time_in_child): their answers agree with one child's, so no timing ran
     while another child's compile or warm-up used the GPU."""
-    from mixprec.precision.fp8_plan import BF16, Gemm
+    from mixprec.precision.fp8_layers import BF16, Gemm
     from mixprec.precision.fp8_timing import start_children, time_in_child
 
     if torch.cuda.get_device_capability() < (8, 9):

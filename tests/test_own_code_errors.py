@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mixprec.core.errors import ConfigError
-from mixprec.precision import fp8_plan
+from mixprec.precision import fp8_layers
 from mixprec.run import session as run
 
 from conftest import ROOT, compose_cfg, run_module, run_train
@@ -239,15 +239,15 @@ def test_a_logger_module_that_raises_at_import_names_its_key(tmp_path, monkeypat
 def test_a_plan_cache_entry_that_is_not_a_timing_is_timed_again(tmp_path, caplog):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"a": 12.5, "b": "fast", "c": None, "d": {"us": 3}, "e": -1}))
-    cache = fp8_plan.TimingCache(str(path))
+    cache = fp8_layers.TimingCache(str(path))
     assert cache.data == {"a": 12.5}
     assert "4 entries" in caplog.text
     path.write_text(json.dumps(["a", 1]))  # not an object at all
-    assert fp8_plan.TimingCache(str(path)).data == {}
+    assert fp8_layers.TimingCache(str(path)).data == {}
 
 
 def _write_timings(path: str, worker: int, start, n: int) -> None:
-    cache = fp8_plan.TimingCache(path)  # each reads the file before any has written
+    cache = fp8_layers.TimingCache(path)  # each reads the file before any has written
     start.wait()
     for i in range(n):
         cache.data[f"w{worker}-{i}"] = float(i + 1)

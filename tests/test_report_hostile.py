@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from mixprec.report import report, study
+from mixprec.report import quality, report
 from mixprec.sinks import local
 
 from conftest import ROOT, fill, run_module, run_train
@@ -47,11 +47,11 @@ def fake_sweep(d: Path, precisions=("fp32", "bf16"), seeds=(0, 1, 2)) -> Path:
 
 def test_a_copied_job_and_a_foreign_summary_are_left_out_and_named(tmp_path):
     sweep = fake_sweep(tmp_path / "sweep")
-    seeds = {r.precision: r.seeds for r in study.write(sweep, "fp32")["rows"]}
+    seeds = {r.precision: r.seeds for r in quality.write(sweep, "fp32")["rows"]}
     assert seeds == {"fp32": 3, "bf16": 3}
     shutil.copytree(sweep / "1", sweep / "9")  # a copied job dir
     shutil.copy(sweep / "0" / "summary.json", sweep / "5" / "summary.json")  # bf16 seed 2's
-    result = study.write(sweep, "fp32")
+    result = quality.write(sweep, "fp32")
     assert {r.precision: r.seeds for r in result["rows"]} == {"fp32": 3, "bf16": 2}
     text = (sweep / "study.md").read_text()
     assert "9: fp32 seed 1 again (read from 1: a copy?)" in text
@@ -123,7 +123,7 @@ def test_a_missing_dir_is_exit_2_for_the_study_and_the_report(tmp_path):
 
 def test_names_holding_html_or_a_pipe_are_escaped_in_both_tables(tmp_path):
     sweep = fake_sweep(tmp_path / "sweep", precisions=("fp32", "bf16|<b>x</b>"), seeds=(0, 1))
-    study.write(sweep, "fp32")
+    quality.write(sweep, "fp32")
     report.write([sweep], to_wandb=False, plots=False, echo=False)
     for name in ("study.md", "report.md"):
         text = (sweep / name).read_text()
@@ -153,7 +153,7 @@ def test_a_full_disk_keeps_the_previous_study_and_report_whole_and_names_the_fil
 
 def test_a_study_json_that_cannot_be_replaced_leaves_the_pair_as_it_was(tmp_path, read_only):
     sweep = fake_sweep(tmp_path / "sweep")
-    study.write(sweep, "fp32")
+    quality.write(sweep, "fp32")
     before = {n: (sweep / n).read_bytes() for n in ("study.md", "study.json", "study.png")}
     read_only(sweep / "study.json")
     p = run_module("mixprec.study", [sweep, "--reference", "fp32", "--target", "1.5"])
@@ -170,7 +170,7 @@ def test_ctrl_c_while_the_sweep_writes_its_study_is_one_line_and_exit_130(
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sweep_cb.study, "write", interrupted)
+    monkeypatch.setattr(sweep_cb.quality, "write", interrupted)
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}, "study": {}})
     config.study.reference = "fp32"
     with pytest.raises(SystemExit) as e:

@@ -62,6 +62,19 @@ def test_a_precision_defined_outside_src_trains_with_train_py(tmp_path):
     assert typo.returncode == 2 and "did you mean min_features" in typo.stdout + typo.stderr
 
 
+@pytest.mark.slow
+def test_a_dataset_defined_outside_src_trains_with_train_py(tmp_path):
+    """tests/plugins/stripes_data.py and its YAML: found through data.plugin as a precision is
+    through precision.plugin; its own key is validated."""
+    args = ["data=stripes", "logger=none", "model=digits_mlp", *QUICK]
+    proc = outside(*args, run_dir=tmp_path / "ok")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "ok" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["val_acc1"] > 0.9  # stripes are easy
+    bad = outside(*args, "data.samples=2", run_dir=tmp_path / "bad")
+    assert bad.returncode == 2 and "data.samples=2 is not allowed" in bad.stdout + bad.stderr
+
+
 def test_a_precision_plugin_that_cannot_be_imported_is_a_config_error():
     from mixprec.core.errors import ConfigError
 

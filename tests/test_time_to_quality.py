@@ -63,7 +63,7 @@ def test_a_resume_across_a_mid_epoch_evaluation_is_bit_exact_and_time_continues(
 
 
 def seed(precision: str, n: int, losses: list[float], secs_per_step: float = 1.0, **kw):
-    from mixprec.report.study import Point, Seed
+    from mixprec.report.quality import Point, Seed
 
     curve = [Point(10 * (i + 1), 10 * (i + 1) * secs_per_step, v) for i, v in enumerate(losses)]
     return Seed(
@@ -81,7 +81,7 @@ def seed(precision: str, n: int, losses: list[float], secs_per_step: float = 1.0
 def test_loss_matched_speedup_on_curves_with_a_known_answer():
     """bf16 takes 1 s a step, fp8 0.5 s on the same curve: 2x, whatever the seed; the target
     (the worst bf16 seed's final loss, 2.0) is met between evaluations, interpolated."""
-    from mixprec.report.study import analyse
+    from mixprec.report.quality import analyse
 
     curve = [4.0, 3.0, 2.0]
     seeds = [seed("bf16", i, curve) for i in range(3)]
@@ -98,7 +98,7 @@ def test_loss_matched_speedup_on_curves_with_a_known_answer():
 
 
 def test_not_reached_crossing_twice_and_diverged_seeds_are_named():
-    from mixprec.report.study import analyse, crossing
+    from mixprec.report.quality import analyse, crossing
 
     twice = seed("amp", 0, [3.0, 1.9, 2.4, 1.8]).curve  # dips under 2.0, back up, under again
     assert crossing(twice, 2.0)[0] == pytest.approx(10 + 10 * (1.0 / 1.1))  # the first crossing
@@ -113,7 +113,7 @@ def test_not_reached_crossing_twice_and_diverged_seeds_are_named():
 
 
 def test_an_interval_covering_one_is_no_difference_we_can_resolve():
-    from mixprec.report.study import analyse
+    from mixprec.report.quality import analyse
 
     seeds = [seed("bf16", i, [3.0, 2.0], secs_per_step=s) for i, s in enumerate((1.0, 1.3, 0.8))]
     seeds += [seed("fp8", i, [3.0, 2.0], secs_per_step=s) for i, s in enumerate((0.9, 1.2, 0.85))]
@@ -161,7 +161,7 @@ def test_a_budget_sets_the_target_at_the_references_step_and_leaves_the_rest_to_
     """With equal steps a precision a hair worse per step never reaches the reference's final
     loss; with study.budget the target is the reference's (worst seed's) loss at that step, and
     the longer runs have room to reach it."""
-    from mixprec.report.study import analyse, loss_at
+    from mixprec.report.quality import analyse, loss_at
 
     bf16 = [seed("bf16", i, [3.0, 2.5, 2.0, 1.8]) for i in range(2)]
     fp8 = [seed("fp8", i, [3.0, 2.6, 2.1, 1.9], secs_per_step=0.5) for i in range(2)]
@@ -179,7 +179,7 @@ def noisy_seed(precision: str, n: int, rng, secs_per_step: float, sigma: float =
     to 300, with evaluation-to-evaluation noise of `sigma` nats."""
     import numpy as np
 
-    from mixprec.report.study import Point, Seed
+    from mixprec.report.quality import Point, Seed
 
     steps = np.arange(20, 301, 20)
     loss = 2 + 1.5 * (steps / 100.0) ** -0.5 + rng.normal(0, sigma, len(steps))
@@ -204,7 +204,7 @@ def test_the_fitted_crossings_halve_the_error_and_the_interval_and_still_cover_t
 
     import numpy as np
 
-    from mixprec.report.study import analyse
+    from mixprec.report.quality import analyse
 
     rng = np.random.default_rng(0)
     err: dict = {"none": [], "power": []}
@@ -227,7 +227,7 @@ def test_the_fitted_crossings_halve_the_error_and_the_interval_and_still_cover_t
 def test_a_fit_never_extrapolates_and_too_few_evaluations_fall_back_to_the_raw_crossing():
     import numpy as np
 
-    from mixprec.report.study import analyse, fit_curve
+    from mixprec.report.quality import analyse, fit_curve
 
     rng = np.random.default_rng(1)
     bf16 = [noisy_seed("bf16", k, rng, 1.0, sigma=0.0) for k in range(2)]
@@ -254,7 +254,7 @@ def test_seeds_pair_across_precisions_and_an_unpaired_study_falls_back_to_welch(
     the seeds differ by 60 %. Paired, the interval is 2.00-2.00; Welch's over the same times
     would be wide. A seed that did not reach the target is counted, censored: the seeds still
     pair. With one missing (its run crashed) they no longer pair: Welch, marked W in study.md."""
-    from mixprec.report.study import analyse, markdown, ratio_interval
+    from mixprec.report.quality import analyse, markdown, ratio_interval
 
     spread = (1.0, 1.3, 0.8)
     bf16 = [seed("bf16", i, [4.0, 3.0, 2.0], secs_per_step=s) for i, s in enumerate(spread)]
@@ -294,7 +294,7 @@ def test_a_precision_that_learns_less_per_step_late_falls_below_its_rate_ratio_t
     speedup is the rate ratio (2) while it learns alike, and falls below it after: 2 x
     150/171.4 = 1.75 at step 150, 2 x 200/242.9 = 1.65 at 200 (the runs go on to 300 steps to
     reach those targets). The rate and convergence ratios are reported apart."""
-    from mixprec.report.study import Point, Seed, analyse
+    from mixprec.report.quality import Point, Seed, analyse
 
     steps = range(10, 301, 5)
     seeds = []
@@ -319,7 +319,7 @@ def test_a_precision_that_learns_less_per_step_late_falls_below_its_rate_ratio_t
 
 
 def markdown_of(result: dict) -> str:
-    from mixprec.report.study import markdown
+    from mixprec.report.quality import markdown
 
     return markdown(result)
 
@@ -330,7 +330,7 @@ def test_censoring_a_seed_lowers_the_estimate_and_never_raises_it():
     without that seed (and its reference pair), and below it in most."""
     import random
 
-    from mixprec.report.study import analyse
+    from mixprec.report.quality import analyse
 
     rng = random.Random(0)
     lowered = 0
@@ -347,7 +347,7 @@ def test_censoring_a_seed_lowers_the_estimate_and_never_raises_it():
 
 
 def test_a_crashed_seed_is_named_and_the_study_of_the_rest_written():
-    from mixprec.report.study import analyse
+    from mixprec.report.quality import analyse
 
     seeds = [seed("bf16", i, [3.0, 2.0]) for i in range(3)]
     seeds += [seed("fp8", i, [3.0, 2.0], secs_per_step=0.5) for i in range(3)]
@@ -362,7 +362,7 @@ def study_with_spread(n: int, sd: float) -> dict:
     exactly (standardised draws), so its paired interval's half-width is t(n-1) sd / sqrt(n)."""
     import numpy as np
 
-    from mixprec.report.study import analyse
+    from mixprec.report.quality import analyse
 
     z = np.random.default_rng(n).standard_normal(n)
     z = (z - z.mean()) / z.std(ddof=1)

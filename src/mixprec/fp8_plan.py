@@ -1,5 +1,5 @@
 """`python -m mixprec.fp8_plan [OVERRIDES...]`: the per-layer float8 plan of a config, measured on
-this GPU without training (precision/fp8_plan.py): each layer's shape, its forward+backward time
+this GPU without training (precision/fp8_layers.py): each layer's shape, its forward+backward time
 in bf16 and in each candidate recipe, the choice and the expected saving. The same overrides as
 train.py; precision=fp8_auto unless a precision with `fp8_layers` is given. The timings land in
 the plan cache, so the training run that follows starts without measuring."""
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     from hydra.errors import HydraException
 
     from mixprec.core.errors import MixprecError
-    from mixprec.precision import fp8_plan
+    from mixprec.precision import fp8_layers
     from mixprec.run.build import planned_precision
     from mixprec.run.config import compose_config, validate
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     except HydraException as e:  # an unknown option, or a precision without fp8_layers
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(fp8_plan.table(prec.choices, list(c.precision.fp8_candidates)))
+    print(fp8_layers.table(prec.choices, list(c.precision.fp8_candidates)))
     summary = prec.plan_summary() or {}
     print(f"\nplanned in {summary.get('planning_s', 0):.1f}s (0 when every timing was cached)")
 

@@ -1,4 +1,4 @@
-"""`python -m mixprec.study SWEEP_DIR`: the time-to-quality study of a sweep (report/study.py).
+"""`python -m mixprec.study SWEEP_DIR`: the time-to-quality study of a sweep (report/quality.py).
 
 `python -m mixprec.study run OVERRIDES...`: run a study's seeds until its answer is narrow enough.
 It runs `python train.py -m OVERRIDES resume=auto` with seeds 0..n-1 into the study's sweep dir
@@ -22,8 +22,8 @@ TRAIN = Path(__file__).resolve().parents[2] / "train.py"
 def run(overrides: list[str]) -> int:
     """The driver's loop; returns the exit code of the last sweep (0 where every job ran)."""
     from mixprec.core.errors import ConfigError
+    from mixprec.report import quality
     from mixprec.report import seeds as seeding
-    from mixprec.report import study
     from mixprec.run.config import compose_config, validate
 
     if any(
@@ -46,7 +46,7 @@ def run(overrides: list[str]) -> int:
         code = _sweep(overrides, sweep, seeds)
         if not (sweep / "study.json").is_file():  # the sweep wrote no study: it said why
             return code or 1
-        result = study.write(
+        result = quality.write(
             sweep,
             c.study.reference,
             c.study.target,
@@ -101,7 +101,7 @@ def main() -> None:
         except MixprecError as e:
             print(f"{e.label}: {e}", file=sys.stderr)
             sys.exit(e.exit_code)
-    from mixprec.report.study import main as study_main
+    from mixprec.report.quality import main as study_main
 
     study_main()
 

@@ -1,6 +1,7 @@
 """Datasets, one module each: `Config` (its keys, validated), `spec(cfg)` -> (num_classes, input
-shape) without loading anything, and `build(cfg, ctx)` -> Data. `data=<name>` picks
-`mixprec/data/<name>.py` and `conf/data/<name>.yaml`: adding a dataset is those two files.
+shape) without loading anything, and `build(cfg, ctx)` -> Data. `conf/data/<name>.yaml` names
+its module as `plugin` (mixprec.data.<name>, or yours outside src/, found as precision.plugin
+is): adding a dataset is those two files.
 
 Every training loader has the same small interface: `len()` micro-batches per epoch,
 `set_epoch(epoch, skip)` to fix the epoch's order and resume part-way through it, and iteration
@@ -16,11 +17,11 @@ import pkgutil
 from types import ModuleType
 from typing import Any
 
-from mixprec.core import schema
-from mixprec.core.errors import ConfigError, nearest
-from mixprec.data.base import Context, Data, Workers
+from mixprec.core import schema, targets
+from mixprec.core.errors import ConfigError
+from mixprec.data.base import Context, Data, DataConfig, Workers
 
-__all__ = ["Context", "Data", "Workers", "names", "parse", "spec", "task", "build"]
+__all__ = ["Context", "Data", "DataConfig", "Workers", "names", "parse", "spec", "task", "build"]
 
 
 def names() -> list[str]:
@@ -37,24 +38,36 @@ def _module(name: str) -> ModuleType:
 
 
 def module_for(cfg: Any) -> ModuleType:
-    return _module(cfg.name)
+    return plugin_module(cfg.plugin)
+
+
+def plugin_module(path: str) -> ModuleType:
+    """The module that implements a dataset (`data.plugin`), checked."""
+    return targets.plugin(
+        "data.plugin",
+        path,
+        ("Config", "spec", "build"),
+        "dataset",
+        "Config (a DataConfig), spec(cfg) and build(cfg, ctx)",
+        f", e.g. mixprec.data.digits (mixprec's own: {', '.join(names())})",
+    )
 
 
 def parse(node: dict) -> Any:
     """The dataset's own Config from the composed `data` node: unknown keys and bad values are
     ConfigErrors naming the key."""
-    name = node.get("name")
-    if name not in names():
+    name, path = node.get("name"), node.get("plugin")
+    if not isinstance(path, str):
         raise ConfigError(
-            f"data={name!r} is not a dataset{nearest(str(name), names())} "
-            f"(allowed: {', '.join(names())})"
+            f"data={name}: data.plugin is missing; it names the module that implements the "
+            "dataset, e.g. mixprec.data.digits"
         )
     if "target" in node and name != "custom":
         raise ConfigError(
             f"data.target is not a key of data={name}: your own datasets are "
             f"data=custom data.target={node['target']} (src/mixprec/data/custom.py)"
         )
-    return schema.parse(_module(name).Config, node, "data", f"data={name}")
+    return schema.parse(plugin_module(path).Config, node, "data", f"data={name}")
 
 
 def spec(cfg: Any) -> tuple[int, tuple[int, ...]]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
+from omegaconf import MISSING
 
 from mixprec.core.tasks import CLASSIFY, Task
 
@@ -38,6 +39,14 @@ class Workers:
     num_workers: int = 0
     pin_memory: bool = False
     persistent: bool = False
+
+
+@dataclass
+class DataConfig:
+    """conf/data/*.yaml: the keys every dataset has (its module's Config adds its own)."""
+
+    name: str = MISSING  # the group option that chose it (digits, text, custom, yours)
+    plugin: str = MISSING  # the module that implements it (mixprec.data.digits, yours)
 
 
 @dataclass(frozen=True)

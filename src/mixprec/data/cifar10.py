@@ -11,17 +11,16 @@ from torchvision import datasets
 from torchvision import transforms as T
 
 from mixprec.core.errors import ConfigError, check
-from mixprec.data.base import Context, Data
+from mixprec.data.base import Context, Data, DataConfig
 from mixprec.data.images import loaders, subset
 
 STATS = ([0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616])
 
 
 @dataclass
-class Config:
+class Config(DataConfig):
     """conf/data/cifar10.yaml"""
 
-    name: str = MISSING
     root: Optional[str] = MISSING  # the directory holding cifar-10-batches-py/
     download: bool = MISSING  # download when missing (needs a network)
     subset: Optional[int] = MISSING  # use this many images per split (a fixed random subset)

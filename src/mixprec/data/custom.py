@@ -29,17 +29,16 @@ from omegaconf import MISSING
 from mixprec.core import targets
 from mixprec.core.errors import ConfigError, check
 from mixprec.core.tasks import CLASSIFY, LanguageModel
-from mixprec.data.base import Context, Data
+from mixprec.data.base import Context, Data, DataConfig
 from mixprec.data.loaders import EpochLoader
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class Config:
+class Config(DataConfig):
     """conf/data/custom.yaml"""
 
-    name: str = MISSING
     target: Optional[str] = MISSING  # package.module:callable returning the datasets
     path: Optional[str] = MISSING  # a folder put first on the module path for data.target
     kwargs: Dict[str, Any] = MISSING  # the callable's arguments

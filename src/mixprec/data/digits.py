@@ -10,17 +10,16 @@ from omegaconf import MISSING
 from torch.utils.data import TensorDataset
 
 from mixprec.core.errors import check
-from mixprec.data.base import Context, Data
+from mixprec.data.base import Context, Data, DataConfig
 from mixprec.data.loaders import EpochLoader
 
 NUM_CLASSES, INPUT_SHAPE = 10, (1, 8, 8)
 
 
 @dataclass
-class Config:
+class Config(DataConfig):
     """conf/data/digits.yaml"""
 
-    name: str = MISSING
     val_fraction: float = MISSING  # held-out share (stratified, fixed by data_seed)
     data_seed: int = MISSING  # the split does not move with `seed`
 

@@ -12,7 +12,7 @@ from omegaconf import MISSING
 from torchvision.transforms import v2
 
 from mixprec.core.errors import ConfigError, check, one_of
-from mixprec.data.base import Context, Data
+from mixprec.data.base import Context, Data, DataConfig
 from mixprec.data.images import (
     CheckedImageFolder,
     DeviceDecode,
@@ -29,10 +29,9 @@ STATS = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 
 
 @dataclass
-class Config:
+class Config(DataConfig):
     """conf/data/imagenet.yaml"""
 
-    name: str = MISSING
     root: Optional[str] = MISSING  # holds train/<class>/ and val/<class>/
     image_size: int = MISSING  # training crop and evaluation centre crop
     eval_resize: int = MISSING  # resize before the evaluation centre crop

@@ -10,14 +10,13 @@ import torch
 from omegaconf import MISSING
 
 from mixprec.core.errors import check
-from mixprec.data.base import Context, Data
+from mixprec.data.base import Context, Data, DataConfig
 
 
 @dataclass
-class Config:
+class Config(DataConfig):
     """conf/data/synthetic.yaml"""
 
-    name: str = MISSING
     shape: List[int] = MISSING  # C, H, W
     num_classes: int = MISSING  # label range
     steps_per_epoch: int = MISSING  # micro-batches per epoch

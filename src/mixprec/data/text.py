@@ -20,7 +20,7 @@ from omegaconf import MISSING
 
 from mixprec.core.errors import check
 from mixprec.core.tasks import LanguageModel
-from mixprec.data.base import Context, Data
+from mixprec.data.base import Context, Data, DataConfig
 from mixprec.data.sequences import need_windows, token_data, unigram_nats
 
 log = logging.getLogger("mixprec.data")
@@ -29,10 +29,9 @@ TASK = LanguageModel(bytes_per_token=1.0)
 
 
 @dataclass
-class Config:
+class Config(DataConfig):
     """conf/data/text.yaml"""
 
-    name: str = MISSING
     seq_len: int = MISSING  # tokens (bytes) per training sequence
     val_fraction: float = MISSING  # share of the files (by path hash) held out for validation
     epoch_sequences: int = MISSING  # training windows per epoch, drawn anew each epoch

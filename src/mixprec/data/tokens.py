@@ -16,7 +16,7 @@ from omegaconf import MISSING
 
 from mixprec.core.errors import ConfigError, check, one_of
 from mixprec.core.tasks import LanguageModel
-from mixprec.data.base import Context, Data
+from mixprec.data.base import Context, Data, DataConfig
 from mixprec.data.sequences import need_windows, token_data
 
 log = logging.getLogger("mixprec.data")
@@ -24,10 +24,9 @@ TASK = LanguageModel()  # bytes per token unknown: perplexity, no bits per byte
 
 
 @dataclass
-class Config:
+class Config(DataConfig):
     """conf/data/tokens.yaml"""
 
-    name: str = MISSING
     root: Optional[str] = MISSING  # the folder with train.bin and val.bin
     dtype: Optional[str] = MISSING  # uint16 or uint32: how the .bin files store a token id;
     # null: uint16, unless the files read as uint32 ids (then the run asks for data.dtype)

@@ -20,7 +20,7 @@ from torch import nn
 from mixprec.core.errors import ConfigError, check, one_of
 from mixprec.models.flops import blended_peak
 from mixprec.models.parts import head_of
-from mixprec.precision import fp8_early, fp8_plan, fp8_timing
+from mixprec.precision import fp8_early, fp8_layers, fp8_timing
 from mixprec.precision.base import Precision, PrecisionConfig
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class Plugin(Precision):
     """bf16 autocast, with the eligible Linear layers converted to float8 training."""
 
     converted: list[str] = field(default_factory=list)  # names of the Float8Linear layers
-    choices: dict = field(default_factory=dict)  # fp8_layers=auto: {layer: fp8_plan.Choice}
+    choices: dict = field(default_factory=dict)  # fp8_layers=auto: {layer: fp8_layers.Choice}
     plan_s: float = 0.0  # seconds the plan took (shapes, timings; 0: resumed or none)
     timed: int = 0  # GEMM timings it measured (0: every one came from the cache)
     children: list = field(default_factory=list)  # the timing processes, started by warm_up
@@ -106,8 +106,10 @@ class Plugin(Precision):
         being built (a cache with this GPU's timings: most likely every one cached, no child)."""
         if self.cfg.fp8_layers != "auto" or device.type != "cuda":
             return
-        here = fp8_plan.machine(device) + "|"
-        if not any(k.startswith(here) for k in fp8_plan.TimingCache(self.cfg.fp8_plan_cache).data):
+        here = fp8_layers.machine(device) + "|"
+        if not any(
+            k.startswith(here) for k in fp8_layers.TimingCache(self.cfg.fp8_plan_cache).data
+        ):
             self.children = fp8_timing.start_children(device)
             self.children_t0 = min(c.t0 for c in self.children)
 
@@ -123,13 +125,13 @@ class Plugin(Precision):
             for child in self.children:
                 child.close()
             self.children = []
-        for recipe in sorted(set(recipes.values()) - {fp8_plan.BF16}):
+        for recipe in sorted(set(recipes.values()) - {fp8_layers.BF16}):
             model = convert_to_float8_training(
                 model,
                 module_filter_fn=lambda m, fqn, r=recipe: recipes.get(fqn) == r,
                 config=self._torchao_config(recipe),
             )
-        self.converted = [n for n in names if recipes[n] != fp8_plan.BF16]
+        self.converted = [n for n in names if recipes[n] != fp8_layers.BF16]
         skipped = sorted(set(linears) - set(self.converted))
         log.info(
             "precision=%s (%s%s): %d of %d Linear layers compute in float8; kept in bf16: %s",
@@ -146,12 +148,12 @@ class Plugin(Precision):
 
     def _layer_recipes(self, model: nn.Module, names: list[str]) -> dict[str, str]:
         """{eligible layer: recipe or bf16}: fp8_recipe everywhere, or (fp8_layers=auto) the
-        plan: the resumed run's, or measured on this GPU (fp8_plan.py)."""
+        plan: the resumed run's, or measured on this GPU (fp8_layers.py)."""
         cfg, ctx = self.cfg, self.ctx
         if cfg.fp8_layers == "all":
             return dict.fromkeys(names, cfg.fp8_recipe)
         if ctx.saved_plan is not None:
-            self.choices = {n: fp8_plan.Choice.from_dict(d) for n, d in ctx.saved_plan.items()}
+            self.choices = {n: fp8_layers.Choice.from_dict(d) for n, d in ctx.saved_plan.items()}
             log.info("precision.fp8_layers=auto: the plan of the run this one resumes")
         elif ctx.example is None:  # batch=auto's probes, the dtype audit: nothing to time
             log.info(
@@ -162,23 +164,25 @@ class Plugin(Precision):
             return dict.fromkeys(names, cfg.fp8_recipe)
         else:
             self.choices = self._measure(model, names)
-        return {n: (self.choices[n].choice if n in self.choices else fp8_plan.BF16) for n in names}
+        return {
+            n: (self.choices[n].choice if n in self.choices else fp8_layers.BF16) for n in names
+        }
 
     def _measure(self, model: nn.Module, names: list[str]) -> dict:
         cfg, ctx = self.cfg, self.ctx
         device = next(model.parameters()).device
         # compiled, the layers that read one input share its float8 cast: timed as a group
         groups: list | None = [] if ctx.compiled else None
-        gemms = fp8_plan.layer_gemms(model, ctx.example(), self.autocast, names, groups)
+        gemms = fp8_layers.layer_gemms(model, ctx.example(), self.autocast, names, groups)
         started, since = time.perf_counter(), time.time()
-        cache = fp8_plan.TimingCache(cfg.fp8_plan_cache)
+        cache = fp8_layers.TimingCache(cfg.fp8_plan_cache)
         known = len(cache.data)
-        choices = fp8_plan.measure(
+        choices = fp8_layers.measure(
             gemms,
             list(cfg.fp8_candidates),
             cfg.fp8_margin,
             timer=lambda todo: fp8_timing.time_in_child(todo, ctx.compiled, device, self.children),
-            key=lambda g, r: fp8_plan.cache_key(g, r, ctx.compiled, device),
+            key=lambda g, r: fp8_layers.cache_key(g, r, ctx.compiled, device),
             cache=cache,
             groups=groups or (),
         )
@@ -191,7 +195,7 @@ class Plugin(Precision):
             ""
             if self.children_t0 is None
             else f" (its timing processes started {since - self.children_t0:.1f}s before)",
-            fp8_plan.table(choices, list(cfg.fp8_candidates)),
+            fp8_layers.table(choices, list(cfg.fp8_candidates)),
         )
         return choices
 
@@ -245,13 +249,13 @@ class Plugin(Precision):
     def plan_summary(self) -> dict | None:
         if not self.choices:
             return None
-        fp8 = {n: c for n, c in self.choices.items() if c.choice != fp8_plan.BF16}
+        fp8 = {n: c for n, c in self.choices.items() if c.choice != fp8_layers.BF16}
         return {
             "layers": len(self.choices),
             "float8_layers": len(fp8),
             "recipes": sorted({c.choice for c in fp8.values()}),
             "expected_saving_ms": sum(c.saving_us for c in self.choices.values()) / 1000,
-            "bf16_ms": sum(c.us[fp8_plan.BF16] * c.calls for c in self.choices.values()) / 1000,
+            "bf16_ms": sum(c.us[fp8_layers.BF16] * c.calls for c in self.choices.values()) / 1000,
             "planning_s": round(self.plan_s, 2),
             "timed_gemms": self.timed,  # 0: every timing came from the cache
         }

@@ -1,4 +1,4 @@
-"""How precision=fp8_auto's plan (fp8_plan.py) times a GEMM, and the processes that time them.
+"""How precision=fp8_auto's plan (fp8_layers.py) times a GEMM, and the processes that time them.
 
 A timing is one training step of a Linear (or of the Linears that read one input) under bf16
 autocast, in bf16 or torchao's Float8Linear with a recipe, compiled for its shape when the run
@@ -35,7 +35,7 @@ from torch import nn
 from mixprec.core.errors import MixprecError
 from mixprec.internals import torch_private
 from mixprec.precision import fp8_early
-from mixprec.precision.fp8_plan import BF16, Gemm
+from mixprec.precision.fp8_layers import BF16, Gemm
 
 log = logging.getLogger(__name__)
 

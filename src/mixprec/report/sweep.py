@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from mixprec.report import study
+from mixprec.report import quality
 from mixprec.report.report import write
 from mixprec.report.runs import find_runs, read_run
 
@@ -81,7 +81,7 @@ class ReportCallback(Callback):
         study_cfg = config.get("study") or {}
         if study_cfg.get("reference") and sweep_dir.is_dir():
             try:  # study.md/json/png first: the report carries the study's table
-                study.write(
+                quality.write(
                     sweep_dir,
                     study_cfg["reference"],
                     study_cfg.get("target"),

@@ -3,8 +3,8 @@ of its concern (precision/base.py holds PrecisionConfig and ScalerConfig, data/<
 dataset's Config, ...). Values live in conf/*.yaml only: a field here has a type, a one-line
 meaning and its checks, never a default of its own (MISSING), so a default lives in one place.
 
-The data, precision, parallel and logger groups are plugins (data/<name>.py,
-precision.plugin, parallel.plugin, sinks/<name>.py): their nodes are parsed by their own
+The data, precision, parallel and logger groups are plugins (data.plugin,
+precision.plugin, parallel.plugin, logger.sinks.<name>): their nodes are parsed by their own
 Config. Hydra merges conf/ onto this schema (wrong types fail at compose time); validate()
 builds the dataclasses, which runs every __post_init__ check, and refuses keys that match no
 field (a typo added with `+`) and non-finite numbers. Errors name the key and what is allowed.
@@ -36,7 +36,7 @@ from mixprec.optim.optimizers import OptimizerConfig, SchedulerConfig
 from mixprec.parallel import strategy
 from mixprec.precision import base as precisions
 from mixprec.precision.base import ScalerConfig
-from mixprec.report.study import StudyConfig
+from mixprec.report.quality import StudyConfig
 from mixprec.training.batch_size import BatchSearchConfig
 from mixprec.training.perf import MIN_TIMED_STEPS
 from mixprec.training.safety import DebugConfig

@@ -31,8 +31,7 @@ from mixprec.core.errors import (
     Preempted,
     RunDirBusy,
 )
-from mixprec.diagnostics import audit as diagnose
-from mixprec.diagnostics import dtype_plan, memory
+from mixprec.diagnostics import audit, dtype_plan, memory
 from mixprec.diagnostics.doctor import Doctor
 from mixprec.diagnostics.numerics import Numerics
 from mixprec.optim import optimizers as optim
@@ -313,7 +312,7 @@ class Session:
         if p.layout.max_batch is not None:
             self.tracker.log({"mem/max_batch": p.layout.max_batch}, self.state.step)
         if c.diagnose:
-            diagnose.on_run(p, self.tracker)
+            audit.on_run(p, self.tracker)
         meter = p.meter()
         guard = DivergenceGuard(
             p.device,
