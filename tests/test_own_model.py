@@ -566,3 +566,76 @@ def test_dict_samples_name_their_pair_or_the_key_to_set(tmp_path, overrides, nee
     with pytest.raises(ConfigError, match=needle) as e:
         run.run(c)
     assert "keys ['attention_mask', " in str(e.value)
+
+
+def test_a_model_that_computes_its_own_loss_trains_on_it_under_the_precision(tmp_path):
+    """model.loss=own: the model is called with labels and its loss is the one trained on,
+    scaled and unscaled by amp's GradScaler like any loss: its fixed auxiliary term (+10.0,
+    no gradient) is in every logged loss, the gradients (hence the weights) are the task
+    loss's, and val/loss is its own too."""
+    conv = [o for o in CONV if not o.startswith("model.target")]
+    base = [*conv, "model.target=own_models:AuxLossNet", "precision=amp", "batch=16"]
+    base += ["trainer.max_steps=4", "trainer.log_every=1", "trainer.perf_warmup_steps=0"]
+    own = run.run(cfg(tmp_path, *base, "model.loss=own", name="own"))
+    task = run.run(cfg(tmp_path, *base, name="task"))
+    a, b = train_losses(tmp_path / "own"), train_losses(tmp_path / "task")
+    assert all(abs(x - y - 10.0) < 1e-3 for x, y in zip(a, b)), (a, b)
+    assert abs(own["val_loss"] - task["val_loss"] - 10.0) < 1e-3
+    assert own["loss_scale"] > 1  # the GradScaler scaled the model's own loss
+    wa, wb = last_weights(tmp_path / "own"), last_weights(tmp_path / "task")
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+def test_model_loss_own_with_a_model_that_returns_none_names_the_key(tmp_path):
+    conv = [o for o in CONV if not o.startswith("model.target")]
+    over = [*conv, "model.target=own_models:AuxLossNet", "+model.kwargs.with_loss=false"]
+    with pytest.raises(ConfigError, match=r"model.loss=own: the model, called with labels"):
+        run.run(cfg(tmp_path, *over, "model.loss=own", "trainer.max_steps=2"))
+
+
+@pytest.mark.slow
+def test_bert_sequence_classification_with_its_own_loss_from_dict_samples(tmp_path):
+    """transformers' BERT for sequence classification (model=hf, random init) on dict samples
+    of token ids and a label, trained on the loss it computes itself; it learns the rule."""
+    pytest.importorskip("transformers")
+    over = [
+        "model=hf",
+        "model.hf.config=bert",
+        "++model.hf.overrides={hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, "
+        "intermediate_size: 64}",
+        "model.loss=own",
+        "data=custom",
+        "data.target=own_data:marked",
+        PLUGINS_DIR,
+        "batch=32",
+        "trainer.max_steps=120",
+        "optimizer.lr=0.003",
+    ]
+    s = run.run(cfg(tmp_path, *over))
+    assert s["status"] == "completed" and s["val_acc1"] > 0.9, s
+    losses = train_losses(tmp_path / "run")
+    assert losses[-1] < losses[0] / 3
+
+
+def test_hf_special_tokens_fit_the_datas_vocabulary_and_known_notices_are_dropped(caplog, capfd):
+    """GPT-2's special tokens (50256) name its own tokenizer's: on a 256-token vocabulary they
+    are unset, with no transformers warning, and one the user sets stays. torch's notice about
+    torchao's Enums is dropped; the same logger's other warnings are not."""
+    import logging
+
+    pytest.importorskip("transformers")
+    from mixprec.core import process, tasks
+    from mixprec.models import hf
+
+    small = {"n_embd": 32, "n_layer": 1, "n_head": 2}
+    config = hf.make_config("gpt2", small, tasks.LanguageModel(), 256, (32,))
+    assert config.bos_token_id is None and config.eos_token_id is None
+    assert "bos_token_id" not in capfd.readouterr().err  # transformers' own handler: stderr
+    kept = hf.make_config("gpt2", {**small, "bos_token_id": 3}, tasks.LanguageModel(), 256, (32,))
+    assert kept.bos_token_id == 3
+    process.quiet_known_noise()
+    pytree = logging.getLogger("torch.utils._pytree")
+    with caplog.at_level(logging.WARNING, logger="torch.utils._pytree"):
+        pytree.warning("<enum 'X'> is an Enum subclass and is now natively supported by torch")
+        pytree.warning("something else")
+    assert "Enum subclass" not in caplog.text and "something else" in caplog.text

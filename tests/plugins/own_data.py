@@ -150,3 +150,30 @@ def counting_dicts() -> dict:
     made = counting()
     names = ("input_ids", "labels")
     return {**made, "train": Dicts(made["train"], names), "val": Dicts(made["val"], names)}
+
+
+class Marked(Dataset):
+    """Sequence classification, as a Hugging Face dataset gives it: dict samples of token ids
+    and a label, the label whether token 1 (the mark) occurs in the sequence."""
+
+    def __init__(self, n: int, seq_len: int, vocab: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(2, vocab, (n, seq_len), generator=g)
+        self.labels = torch.randint(0, 2, (n,), generator=g)
+        where = torch.randint(0, seq_len, (n,), generator=g)
+        self.ids[self.labels == 1, where[self.labels == 1]] = 1
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def marked(n: int = 512, seq_len: int = 16, vocab: int = 64) -> dict:
+    return {
+        "train": Marked(n, seq_len, vocab, seed=0),
+        "val": Marked(n // 4, seq_len, vocab, seed=1),
+        "num_classes": 2,
+        "vocab_size": vocab,
+    }

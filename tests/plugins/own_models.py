@@ -166,3 +166,20 @@ def half_frozen(num_classes: int, input_shape: tuple) -> nn.Module:
     model = plain_mlp(num_classes, input_shape)
     model[1].requires_grad_(False)
     return model
+
+
+class AuxLossNet(nn.Module):
+    """A model that computes its own loss when given labels, as research code often does: the
+    cross-entropy plus a fixed auxiliary term (10.0, no gradient), returned as a dict with the
+    logits; without labels, the logits alone. `with_loss=False`: it never returns a loss."""
+
+    def __init__(self, num_classes: int, input_shape: tuple, with_loss: bool = True) -> None:
+        super().__init__()
+        self.net = plain_mlp(num_classes, input_shape)
+        self.with_loss = with_loss
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None):
+        logits = self.net(x)
+        if labels is None or not self.with_loss:
+            return logits if labels is None else {"logits": logits}
+        return {"logits": logits, "loss": F.cross_entropy(logits.float(), labels) + 10.0}

@@ -28,6 +28,23 @@ class Settings:
     detect_anomaly: bool  # autograd anomaly mode (debug.detect_anomaly)
 
 
+class _EnumConstantNotice(logging.Filter):
+    """torch 2.14 warns on every register_constant() of an Enum, which torchao 0.18 makes at
+    import (and transformers imports torchao where it is installed): two lines on every run,
+    none of them the user's to act on. Only that notice is dropped; the logger's other warnings
+    stay."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is an Enum subclass and is now natively supported" not in record.getMessage()
+
+
+def quiet_known_noise() -> None:
+    """Drop the notices of other libraries that no user can act on (once per process)."""
+    pytree = logging.getLogger("torch.utils._pytree")
+    if not any(isinstance(f, _EnumConstantNotice) for f in pytree.filters):
+        pytree.addFilter(_EnumConstantNotice())
+
+
 def apply(s: Settings, device: torch.device) -> None:
     set_tf32(s.tf32)
     torch.autograd.set_detect_anomaly(s.detect_anomaly)

@@ -26,6 +26,13 @@ def logits_of(out):
     return logits if isinstance(logits, torch.Tensor) else out
 
 
+def loss_of(out) -> torch.Tensor | None:
+    """The loss a model returned itself (model.loss=own): `.loss` of Hugging Face's outputs or
+    ["loss"] of a dict, a tensor; None where the output carries none."""
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
 class _Task:
     name: str
 
@@ -58,6 +65,23 @@ class Classify(_Task):
 
     def derived(self, val: dict) -> dict:
         return {}
+
+
+@dataclass(frozen=True)
+class ClassifyTokens(Classify):
+    """Sequence classification: a sequence of token ids in, one label out (BERT-style). A
+    classification (its loss, top-1 accuracy) whose inputs are token ids below `vocab`."""
+
+    vocab: int = 2
+
+    def inputs(self, n: int, shape, vocab: int, device, fmt=None) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (n, *shape), device=device)
+
+    def zeros(self, n: int, shape, device) -> torch.Tensor:
+        return torch.zeros(n, *shape, dtype=torch.long, device=device)
+
+    def tokens(self, shape) -> int:
+        return int(shape[0])
 
 
 @dataclass(frozen=True)
@@ -94,5 +118,5 @@ class LanguageModel(_Task):
         return out
 
 
-Task = Classify | LanguageModel
+Task = Classify | ClassifyTokens | LanguageModel
 CLASSIFY = Classify()

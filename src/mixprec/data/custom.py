@@ -4,6 +4,8 @@ and what they teach, as a dict or an object with these fields:
 
     {"train": Dataset, "val": Dataset, "num_classes": 10}    # classification: (x, label) pairs
     {"train": Dataset, "val": Dataset, "vocab_size": 256}     # language modelling: (tokens, next)
+    {"train": ..., "val": ..., "num_classes": 2, "vocab_size": 30522}  # sequence classification:
+                                                              # (token ids, label): BERT-style
 
 Map-style torch Datasets of (input, target) pairs: a float tensor and an int label, or two
 equal-length int tensors of token ids (the targets shifted by one). A sample may also be a
@@ -28,7 +30,7 @@ from omegaconf import MISSING
 
 from mixprec.core import targets
 from mixprec.core.errors import ConfigError, check
-from mixprec.core.tasks import CLASSIFY, LanguageModel
+from mixprec.core.tasks import CLASSIFY, ClassifyTokens, LanguageModel
 from mixprec.data.base import Context, Data, DataConfig
 from mixprec.data.loaders import EpochLoader
 
@@ -110,6 +112,7 @@ class Loaded:
     num_classes: int
     input_shape: tuple[int, ...]
     lm: bool
+    vocab: int | None = None  # sequence classification: the token ids' vocabulary
 
 
 def _field(obj: Any, key: str) -> Any:
@@ -123,10 +126,11 @@ def _load(target: str, path: str | None, kwargs_json: str, keys: tuple = (None, 
     out = targets.call(key, target, fn, json.loads(kwargs_json), {})
     train, val = _field(out, "train"), _field(out, "val")
     classes, vocab = _field(out, "num_classes"), _field(out, "vocab_size")
-    if train is None or val is None or (classes is None) == (vocab is None):
+    if train is None or val is None or (classes is None and vocab is None):
         raise ConfigError(
             f"{key}={target!r} returned {type(out).__name__}; it must give 'train' and 'val' "
-            "datasets and one of 'num_classes' (classification) or 'vocab_size' (tokens)"
+            "datasets and 'num_classes' (classification), 'vocab_size' (tokens) or both "
+            "(sequence classification: token ids in, a label out)"
         )
     for split, ds in (("train", train), ("val", val)):
         if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__") or len(ds) == 0:
@@ -135,15 +139,20 @@ def _load(target: str, path: str | None, kwargs_json: str, keys: tuple = (None, 
                 "Dataset (__len__ and __getitem__)"
             )
     train, val = _as_pairs(target, "train", train, keys), _as_pairs(target, "val", val, keys)
-    lm = vocab is not None
-    shape = _check_sample(target, "train", train[0], lm, int(vocab or classes))
-    if _check_sample(target, "val", val[0], lm, int(vocab or classes)) != shape:
+    lm = classes is None
+    tokens = None if lm or vocab is None else int(vocab)  # sequence classification
+    n = int(vocab if lm else classes)
+    shape = _check_sample(target, "train", train[0], lm, n, tokens)
+    if _check_sample(target, "val", val[0], lm, n, tokens) != shape:
         raise ConfigError(f"{key}={target!r}: train and val samples differ in shape")
-    return Loaded(train, val, int(vocab or classes), shape, lm)
+    return Loaded(train, val, n, shape, lm, tokens)
 
 
-def _check_sample(target: str, split: str, sample: Any, lm: bool, n: int) -> tuple[int, ...]:
-    """The input shape of one (input, target) sample, checked against the task."""
+def _check_sample(
+    target: str, split: str, sample: Any, lm: bool, n: int, vocab: int | None = None
+) -> tuple[int, ...]:
+    """The input shape of one (input, target) sample, checked against the task (`vocab`:
+    sequence classification, token ids below it and a label)."""
     where = f"data.target={target!r}: {split}[0]"
     if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
         raise ConfigError(f"{where} must be an (input, target) pair, not {type(sample).__name__}")
@@ -155,10 +164,18 @@ def _check_sample(target: str, split: str, sample: Any, lm: bool, n: int) -> tup
                 f"{where} must be two int tensors of one length T holding token ids in "
                 f"[0, vocab_size={n}) (got {tuple(x.shape)} {x.dtype} and {tuple(y.shape)})"
             )
-    elif not x.is_floating_point() or y.dim() != 0 or y.is_floating_point():
+    elif vocab is not None and (
+        x.dim() != 1 or x.is_floating_point() or not 0 <= int(x.min()) <= int(x.max()) < vocab
+    ):
+        raise ConfigError(
+            f"{where} must be a sequence of token ids in [0, vocab_size={vocab}) and a label "
+            f"(sequence classification; got {x.dtype} {tuple(x.shape)})"
+        )
+    elif (vocab is None and not x.is_floating_point()) or y.dim() != 0 or y.is_floating_point():
         raise ConfigError(
             f"{where} must be a float input tensor and an int class label (got {x.dtype} "
-            f"{tuple(x.shape)} and {y.dtype} {tuple(y.shape)})"
+            f"{tuple(x.shape)} and {y.dtype} {tuple(y.shape)}); token ids and a label are "
+            "sequence classification: give both num_classes and vocab_size"
         )
     elif not 0 <= int(y) < n:
         raise ConfigError(f"{where}: label {int(y)} is outside [0, num_classes={n})")
@@ -179,7 +196,10 @@ def spec(cfg: Config) -> tuple[int, tuple[int, ...]]:
 
 
 def task(cfg: Config):
-    return LanguageModel() if load(cfg).lm else CLASSIFY
+    got = load(cfg)
+    if got.lm:
+        return LanguageModel()
+    return ClassifyTokens(vocab=got.vocab) if got.vocab else CLASSIFY
 
 
 def build(cfg: Config, ctx: Context) -> Data:

@@ -49,6 +49,9 @@ class HFConfig:
     overrides: Dict[str, Any] = MISSING  # config fields set on top, e.g. {hidden_size: 4096}
 
 
+LOSSES = ("task", "own")
+
+
 @dataclass
 class ModelConfig:
     """conf/model/*.yaml name the model; the switches' defaults are in conf/train.yaml."""
@@ -72,9 +75,11 @@ class ModelConfig:
         MISSING  # recompute activations in backward: less memory, more compute
     )
     kwargs: Dict[str, Any] = MISSING  # extra arguments of the model's builder (timm or target)
+    loss: str = MISSING  # task: mixprec's loss of the logits; own: the model's, given labels=y
 
     def __post_init__(self) -> None:
         self.adapter.check(self)
+        one_of("model.loss", self.loss, LOSSES)
         one_of("model.compile_mode", self.compile_mode, COMPILE_MODES)
         one_of("model.compile_scope", self.compile_scope, COMPILE_SCOPES)
         check(
@@ -128,6 +133,12 @@ def build(
     A language model gets the data's vocabulary and sequence length, an image model its
     classes and channels; a model that returns the wrong shape for the data is a config error."""
     task = task or tasks.CLASSIFY
+    if mcfg.loss == "own" and mcfg.source == "hf" and task.name == "lm":
+        raise ConfigError(
+            "model.loss=own with model=hf on token data: a Hugging Face causal LM shifts its "
+            "labels by one itself, and this data's targets are already the next tokens (the "
+            "loss would skip a token); model.loss=task is the same cross-entropy, unshifted"
+        )
     with device:  # weights made and initialised where they train (a 1B model: 5 s on a CPU)
         model = _create(mcfg, num_classes, input_shape, task)
     model.to(device)

@@ -1,8 +1,9 @@
 """Hugging Face transformers models built from a config, never downloaded: `model=hf` with
 `model.hf.config` naming a model type (`llama`, `vit`, ... AutoConfig.for_model) or a local
 config.json, and `model.hf.overrides` on top. Random init, SDPA attention, no KV cache. The data
-picks the class: token data AutoModelForCausalLM, images AutoModelForImageClassification, with
-the data's vocabulary / classes, image size and channels written into the config.
+picks the class: token data AutoModelForCausalLM, token ids with a label per sequence
+AutoModelForSequenceClassification, images AutoModelForImageClassification, with the data's
+vocabulary / classes, image size and channels written into the config.
 
 The model trains inside a thin wrapper that takes mixprec's inputs (token ids, or images) and
 returns the logits; it declares its head (the output embedding or the classifier: fp8 keeps it
@@ -58,8 +59,10 @@ def make_config(name: str, overrides: dict, task, num_classes: int, input_shape)
         if not hasattr(base, key):
             raise ConfigError(f"model.hf.overrides.{key}: {type(base).__name__} has no such field")
     data = {"use_cache": False}
-    if task.name == "lm":
-        data["vocab_size"] = num_classes
+    if task.name == "lm" or getattr(task, "vocab", None):
+        data["vocab_size"] = num_classes if task.name == "lm" else task.vocab
+        if task.name != "lm":
+            data["num_labels"] = num_classes
         if hasattr(base, "max_position_embeddings"):
             data["max_position_embeddings"] = max(base.max_position_embeddings, input_shape[0])
     else:
@@ -68,6 +71,8 @@ def make_config(name: str, overrides: dict, task, num_classes: int, input_shape)
             data["num_channels"] = input_shape[0]
         if hasattr(base, "image_size") and len(input_shape) == 3:
             data["image_size"] = input_shape[1]
+    if "vocab_size" in data:  # special tokens of the config's own vocabulary (GPT-2's 50256)
+        data.update(_special_tokens(base, data["vocab_size"], {**fields, **overrides}))
     if (
         task.name == "lm"
         and "head_dim" in base.to_dict()
@@ -83,6 +88,20 @@ def make_config(name: str, overrides: dict, task, num_classes: int, input_shape)
         ) from None
 
 
+SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "cls_token_id")
+
+
+def _special_tokens(base, vocab: int, given: dict) -> dict:
+    """The config's special token ids that fall outside the data's vocabulary, unset: they
+    name tokens of the model's own tokenizer (GPT-2's 50256 in a 256-byte vocabulary), which
+    this data does not have; transformers warns of each. Ids the user set stay."""
+    return {
+        k: None
+        for k in SPECIAL
+        if k not in given and isinstance(getattr(base, k, None), int) and getattr(base, k) >= vocab
+    }
+
+
 def _why(e: Exception) -> str:
     """The cause in transformers' message (its validators put it on the last line)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
@@ -92,22 +111,31 @@ def _why(e: Exception) -> str:
 def build(name: str, overrides: dict, task, num_classes: int, input_shape) -> nn.Module:
     tf = _transformers()
     config = make_config(name, overrides, task, num_classes, input_shape)
-    auto = tf.AutoModelForCausalLM if task.name == "lm" else tf.AutoModelForImageClassification
+    kind, auto, wrapper = _kind(tf, task)
     try:
         model = auto.from_config(config, attn_implementation="sdpa")
     except ValueError as e:  # e.g. a vision config asked for token data, or no SDPA for it
-        kind = "a causal language model" if task.name == "lm" else "an image classifier"
         raise ConfigError(
             f"model.hf.config={name!r}: transformers builds no {kind} from "
             f"{type(config).__name__} ({str(e).splitlines()[0][:200]}); the data decides the "
-            "kind (token data: causal LM, images: classification)"
+            "kind (token data: causal LM, token ids with labels: sequence classification, "
+            "images: image classification)"
         ) from None
     except Exception as e:  # noqa: BLE001  (e.g. a negative size: torch's RuntimeError)
         raise ConfigError(
             f"model.hf.config={name!r} with model.hf.overrides={dict(overrides)}: the model "
             f"cannot be built ({type(e).__name__}: {_why(e)})"
         ) from None
-    return (CausalLM if task.name == "lm" else ImageClassifier)(model.float())
+    return wrapper(model.float())
+
+
+def _kind(tf, task) -> tuple:
+    """(what it is, transformers' Auto class, mixprec's wrapper) for the data's task."""
+    if task.name == "lm":
+        return "a causal language model", tf.AutoModelForCausalLM, CausalLM
+    if getattr(task, "vocab", None):
+        return "a sequence classifier", tf.AutoModelForSequenceClassification, SequenceClassifier
+    return "an image classifier", tf.AutoModelForImageClassification, ImageClassifier
 
 
 class _Wrapped(nn.Module):
@@ -161,8 +189,22 @@ class ImageClassifier(_Wrapped):
     def _head_module(self) -> nn.Module | None:
         return getattr(self.hf, "classifier", None)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.hf(pixel_values=images).logits
+    def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None):
+        """The logits; given `labels` (model.loss=own), the model's output with its own loss."""
+        out = self.hf(pixel_values=images, labels=labels)
+        return out.logits if labels is None else out
+
+
+class SequenceClassifier(_Wrapped):
+    """Token ids in, a label out (BERT, RoBERTa, ... for sequence classification)."""
+
+    def _head_module(self) -> nn.Module | None:
+        return getattr(self.hf, "classifier", None) or getattr(self.hf, "score", None)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None):
+        """The logits; given `labels` (model.loss=own), the model's output with its own loss."""
+        out = self.hf(input_ids=tokens, labels=labels)
+        return out.logits if labels is None else out
 
 
 def _name_of(root: nn.Module, module: nn.Module | None) -> str | None:

@@ -40,11 +40,12 @@ class Target:
 
     def create(self, mcfg, num_classes: int, input_shape, task) -> nn.Module:
         facts = {"num_classes": num_classes}
-        facts.update(
-            {"vocab_size": num_classes, "max_seq_len": input_shape[0]}
-            if task.name == "lm"
-            else {"in_chans": input_shape[0], "input_shape": tuple(input_shape)}
-        )
+        if task.name == "lm":
+            facts.update(vocab_size=num_classes, max_seq_len=input_shape[0])
+        elif getattr(task, "vocab", None):  # sequence classification: token ids, a label
+            facts.update(vocab_size=task.vocab, max_seq_len=input_shape[0])
+        else:
+            facts.update(in_chans=input_shape[0], input_shape=tuple(input_shape))
         fn = targets.load("model.target", mcfg.target, mcfg.path)
         forwarded = () if task.name == "lm" else ("num_classes",)  # (torchvision's **kwargs)
         model = targets.call("model.target", mcfg.target, fn, dict(mcfg.kwargs), facts, forwarded)

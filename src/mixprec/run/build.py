@@ -132,7 +132,7 @@ def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> 
     )
     plan = layouts.plan(c, len(data.train), layout)
     scheduler = optim.build_scheduler(c.scheduler, optimizer, plan.total_steps)
-    learner = loop.Learner(model, optimizer, scheduler, prec, data.task)
+    learner = loop.Learner(model, optimizer, scheduler, prec, data.task, c.model.loss == "own")
     parts = Parts(c, hw, dd, device, layout, data, learner, plan, lr, *counted)
     announce(parts)
     return parts
@@ -280,7 +280,7 @@ def probes(c: TrainConfig, device: torch.device) -> tuple:
         spec = Spec(num_classes, shape, b, task)
         model, opt = assemble(c, prec, spec, device, alone, 1e-6, probing=True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-        return loop.Learner(model, opt, sched, prec, task)
+        return loop.Learner(model, opt, sched, prec, task, c.model.loss == "own")
 
     def inputs(b: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = example(c, shape, device, b, num_classes, task)

@@ -21,7 +21,7 @@ from mixprec import sinks
 from mixprec.checkpoint import store as checkpoint
 from mixprec.checkpoint.dcp import step_of
 from mixprec.compile import compiling
-from mixprec.core import files, hardware, launch
+from mixprec.core import files, hardware, launch, process
 from mixprec.core.errors import (
     CheckpointError,
     DiskFull,
@@ -88,6 +88,7 @@ def run(cfg: DictConfig) -> dict:
     """Train as configured; returns the summary (also written to summary.json). Until the run
     is accepted (its config valid, its run dir locked and its own, a resume fitted) it writes
     nothing: a refused run leaves no trace in the dir it was refused from (rundir.Journal)."""
+    process.quiet_known_noise()  # torchao's import notices (core/process.py)
     if not perf.job_started():  # the first job of a process has nothing earlier to free
         release_earlier_jobs()  # (a full collection of torch's heap: 0.3-0.6 s on 2 cores)
     journal = rundir.Journal()

@@ -17,7 +17,8 @@ from torch import nn
 from torch.nn.utils import clip_grad_norm_, get_total_norm
 from torch.optim.lr_scheduler import LRScheduler
 
-from mixprec.core.tasks import CLASSIFY, Task, logits_of
+from mixprec.core.errors import ConfigError
+from mixprec.core.tasks import CLASSIFY, Task, logits_of, loss_of
 from mixprec.parallel import sharding
 from mixprec.precision.base import Precision
 from mixprec.precision.step_guards import BatchNormGuard, StepWatch
@@ -33,6 +34,7 @@ class Learner:
     scheduler: LRScheduler
     precision: Precision
     task: Task = CLASSIFY  # the loss and the validation metrics (tasks.py)
+    own_loss: bool = False  # model.loss=own: the model is given labels=y and returns its loss
 
     def __post_init__(self) -> None:
         self.watch = StepWatch(self.optimizer)  # was the step taken, or skipped by GradScaler?
@@ -111,7 +113,7 @@ def train_step(
         with no_sync(model) if i < accum - 1 else nullcontext():
             stats = learner.bn_guard.snapshot()
             with prec.autocast():
-                loss = learner.task.loss(model(x), y) / accum  # mean over the effective batch
+                loss = forward(learner, x, y)[1] / accum  # mean over the effective batch
             prec.scaler.scale(loss).backward()  # scale up so small fp16 grads do not flush to 0
             learner.bn_guard.keep_if_finite(loss, stats)  # an fp16 overflow must not poison BN
         total = total + loss.detach()
@@ -153,9 +155,14 @@ def evaluate(
             model.train()
             return None
         with learner.precision.autocast():
-            logits = logits_of(model(x))  # (a tensor, .logits or ["logits"])
+            logits, own = forward(learner, x, y, own_only=True)
+        summed = (  # the model's own mean loss x its targets, or the task's sum
+            own.float() * y.numel()
+            if own is not None
+            else learner.task.loss(logits.float(), y, reduction="sum")
+        )
         batch = [
-            learner.task.loss(logits.float(), y, reduction="sum"),
+            summed,
             *(m.batch_sum(logits, y) for m in extra),
             torch.tensor(float(y.numel()), device=y.device),
         ]
@@ -170,6 +177,24 @@ def evaluate(
     if n_a and n_b:  # |A - B| / 2 estimates the whole set's standard error (two equal halves)
         val["val/loss_noise"] = abs(a / n_a - b / n_b) / 2
     return {**val, **learner.task.derived(val)}
+
+
+def forward(learner: Learner, x, y, own_only: bool = False) -> tuple:
+    """(logits, loss): the logits in the model's output (a tensor, .logits or ["logits"]) and
+    the task's mean loss of them, or with model.loss=own the model called with labels=y and
+    the loss it returns (`own_only`: None for the task's, left to the caller)."""
+    if not learner.own_loss:
+        logits = logits_of(learner.model(x))
+        return logits, None if own_only else learner.task.loss(logits, y)
+    out = learner.model(x, labels=y)
+    loss = loss_of(out)
+    if loss is None:
+        raise ConfigError(
+            "model.loss=own: the model, called with labels=<the targets>, returned "
+            f"{type(out).__name__} with no loss (.loss or ['loss']); return one, or use "
+            "model.loss=task (the data's loss of the logits)"
+        )
+    return logits_of(out), loss
 
 
 def train(learner: Learner, data, state: TrainState, plan: Plan, hooks: Hooks) -> TrainState:
