@@ -587,6 +587,12 @@ def test_a_model_that_computes_its_own_loss_trains_on_it_under_the_precision(tmp
 
 
 def test_model_loss_own_with_a_model_that_returns_none_names_the_key(tmp_path):
+    from mixprec.run.config import validate
+
+    with pytest.raises(ConfigError, match="model.loss='mine' is not allowed.*one of task, own"):
+        validate(cfg(tmp_path, "model.loss=mine"))
+    with pytest.raises(ConfigError, match="model.loss='own'.*task with model.cuda_graphs=true"):
+        validate(cfg(tmp_path, "model.loss=own", "model.cuda_graphs=true"))
     conv = [o for o in CONV if not o.startswith("model.target")]
     over = [*conv, "model.target=own_models:AuxLossNet", "+model.kwargs.with_loss=false"]
     with pytest.raises(ConfigError, match=r"model.loss=own: the model, called with labels"):

@@ -80,6 +80,13 @@ class ModelConfig:
     def __post_init__(self) -> None:
         self.adapter.check(self)
         one_of("model.loss", self.loss, LOSSES)
+        check(
+            not (self.cuda_graphs and self.loss == "own"),
+            "model.loss",
+            self.loss,
+            "task with model.cuda_graphs=true (the captured forward takes the inputs alone, "
+            "not the labels a model's own loss needs)",
+        )
         one_of("model.compile_mode", self.compile_mode, COMPILE_MODES)
         one_of("model.compile_scope", self.compile_scope, COMPILE_SCOPES)
         check(
