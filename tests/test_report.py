@@ -217,3 +217,23 @@ def test_the_report_stacks_each_runs_measured_peak_into_its_parts(tmp_path):
     assert "## Where the peak goes" in text
     assert "| precision=fp32 | 35.62 | 3.26 | 6.52 | 0.07 | 25.51 |" in text
     assert tmp_path / "report" / "report_memory.png" in out["files"]
+
+
+def test_the_curves_draw_only_what_some_run_logged():
+    """A language model's sweep (no GradScaler, no top-1): train and validation loss, no empty
+    panel; a classifier's amp sweep: its loss scale and top-1 too."""
+    from mixprec.report.plots import curve_panels
+
+    def run(precision, scale=None, **logged):
+        rows = [
+            {"step": s, "train/loss": 2.0 / s, **{k: v / s for k, v in logged.items()}}
+            for s in (10, 20)
+        ]
+        if scale:
+            rows = [{**r, "amp/loss_scale": scale} for r in rows]
+        return {"run": precision, "precision": precision, "loss_scale": scale, "curves": rows}
+
+    lm = [run("fp32", **{"val/loss": 3.0}), run("bf16", **{"val/loss": 3.0})]
+    assert [k for k, _ in curve_panels(lm)] == ["train/loss", "val/loss"]
+    vision = [run("fp32", **{"val/acc1": 0.5}), run("amp", 65536.0, **{"val/acc1": 0.5})]
+    assert [k for k, _ in curve_panels(vision)] == ["train/loss", "amp/loss_scale", "val/acc1"]

@@ -75,6 +75,12 @@ def objectives() -> tuple[str, ...]:
     return tuple(m.summary for m in METRICS if m.goal)
 
 
+def not_measured_for(objective: str, task: str) -> bool:
+    """An objective that this task never measures (val_acc1 on token data: no accuracy)."""
+    m = next((m for m in METRICS if m.summary == objective), None)
+    return m is not None and m.task is not None and m.task != task
+
+
 def evaluated(task: str = "classify") -> list[Metric]:
     """The validation metrics evaluate() computes for a task, in order."""
     return [m for m in METRICS if m.batch_sum is not None and m.task in (None, task)]

@@ -83,22 +83,41 @@ def draw(runs: list[dict], out_dir: Path) -> list[Path]:
     fig.tight_layout()
     paths.append(save(fig, out_dir / "report_bars.png"))
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    for ax, key, title in (
-        (axes[0], "train/loss", "train loss"),
-        (axes[1], "amp/loss_scale", "loss scale (runs with a GradScaler)"),
-        (axes[2], "val/acc1", "val top-1"),
-    ):
+    paths.append(_curves(plt, runs, out_dir))
+    measured = [r for r in runs if (r.get("memory_breakdown") or {}).get("peak") is not None]
+    if measured:  # debug.memory: the peak's parts, a stacked bar per run
+        paths.append(memory_plot(measured, out_dir / "report_memory.png"))
+    return paths
+
+
+def _points(r: dict, key: str) -> list:
+    if key == "amp/loss_scale" and r.get("loss_scale") is None:
+        return []  # no GradScaler: its logged scale of 1 is not a loss scale
+    return [(m["step"], _num(m.get(key))) for m in r["curves"] if _num(m.get(key)) is not None]
+
+
+def curve_panels(runs: list[dict]) -> list[tuple[str, str]]:
+    """(key, title) of each panel report_curves.png draws: none that no run logged."""
+    val = "val/acc1" if any(_points(r, "val/acc1") for r in runs) else "val/loss"
+    panels = [("train/loss", "train loss")]
+    if any(_points(r, "amp/loss_scale") for r in runs):
+        panels.append(("amp/loss_scale", "loss scale (runs with a GradScaler)"))
+    return panels + [(val, "val top-1" if val == "val/acc1" else "val loss")]
+
+
+def _curves(plt, runs: list[dict], out_dir: Path) -> Path:
+    """report_curves.png: the panels some run logged (train loss; the loss scale where a
+    GradScaler ran; top-1 where there is one, else the validation loss: a language model's),
+    each precision in the colour its bars have."""
+    panels = curve_panels(runs)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.7 * len(panels), 4.8), squeeze=False)
+    for ax, (key, title) in zip(axes[0], panels):
         for r in runs:
-            if key == "amp/loss_scale" and r.get("loss_scale") is None:
-                continue  # no GradScaler: its logged scale of 1 is not a loss scale
-            pts = [
-                (m["step"], _num(m.get(key))) for m in r["curves"] if _num(m.get(key)) is not None
-            ]
+            pts = _points(r, key)
             if pts:
-                ax.plot(
-                    *zip(*pts), marker="." if len(pts) < 30 else None, label=r["run"], alpha=0.85
-                )
+                colour = COLOURS.get(r.get("precision"), None)
+                mark = "." if len(pts) < 30 else None
+                ax.plot(*zip(*pts), marker=mark, label=r["run"], alpha=0.85, color=colour)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("optimizer step")
         if key == "amp/loss_scale":
@@ -108,11 +127,7 @@ def draw(runs: list[dict], out_dir: Path) -> list[Path]:
         else:
             ax.text(0.5, 0.5, "no run logged one", ha="center", transform=ax.transAxes)
     fig.tight_layout()
-    paths.append(save(fig, out_dir / "report_curves.png"))
-    measured = [r for r in runs if (r.get("memory_breakdown") or {}).get("peak") is not None]
-    if measured:  # debug.memory: the peak's parts, a stacked bar per run
-        paths.append(memory_plot(measured, out_dir / "report_memory.png"))
-    return paths
+    return save(fig, out_dir / "report_curves.png")
 
 
 MEMORY_COLOURS = {

@@ -21,7 +21,7 @@ from mixprec import sinks
 from mixprec.checkpoint import store as checkpoint
 from mixprec.checkpoint.dcp import step_of
 from mixprec.compile import compiling
-from mixprec.core import files, hardware, launch, process
+from mixprec.core import files, hardware, launch, metrics, process
 from mixprec.core.errors import (
     CheckpointError,
     DiskFull,
@@ -54,7 +54,8 @@ def main(cfg: DictConfig) -> float | None:
     a failed job returns None (a failed trial) and the sweep goes on; its row in report.md says
     why, and the multirun exits with the first failed job's code (sweep.ReportCallback)."""
     try:
-        value = run(cfg)[cfg.objective]
+        result = run(cfg)
+        value = result[cfg.objective]
     except MixprecError as e:
         if left_to_another(e, cfg):  # a study spread over processes: another one trains it
             log.info("%s; it is left to that process", e)
@@ -76,10 +77,16 @@ def main(cfg: DictConfig) -> float | None:
         sweep.job_failed(cfg, failed)
         return None
     if value is None and launch.multirun():
+        task = result.get("task")
+        why = (
+            f"{task} data has no such metric; objective=val_loss is its quality"
+            if metrics.not_measured_for(cfg.objective, task)
+            else "not measured: e.g. too few steps after the warm-up to time"
+        )
         log.warning(
-            "objective=%s is null for this run (not measured: e.g. too few steps after "
-            "the warm-up to time); a sweeper counts it as a failed trial",
+            "objective=%s is null for this run (%s); a sweeper counts it as a failed trial",
             cfg.objective,
+            why,
         )
     return value
 
