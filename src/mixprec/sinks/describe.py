@@ -36,13 +36,15 @@ def what_ran(p) -> dict:
         "accum": lay.accum,
         "world_size": lay.world,
         "effective_batch": lay.effective,
-        "parallel": {k: v for k, v in dataclasses.asdict(c.parallel).items() if v is not None},
+        "parallel": _plugin_shown(
+            {k: v for k, v in dataclasses.asdict(c.parallel).items() if v is not None}
+        ),
         "lr": p.lr,
         "optimizer_steps": p.plan.total_steps,
         "optimizer": opt,
         "scheduler": sched,
         "model": model,
-        "data": dataclasses.asdict(c.data),
+        "data": _plugin_shown(dataclasses.asdict(c.data)),
         "hardware": p.hw.name,
         "gpu": gpu,
         "device": str(p.device),
@@ -59,3 +61,11 @@ def what_ran(p) -> dict:
     if lay.max_batch is not None:
         out["max_batch"] = lay.max_batch
     return {k: v for k, v in out.items() if v is not None}
+
+
+def _plugin_shown(group: dict) -> dict:
+    """A group's keys with its plugin module only where it is not mixprec's own (which its
+    name already says): a run with a strategy or dataset of yours shows whose it was."""
+    if str(group.get("plugin", "")).startswith("mixprec."):
+        group = {k: v for k, v in group.items() if k != "plugin"}
+    return group
