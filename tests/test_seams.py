@@ -424,3 +424,19 @@ def test_a_precision_owns_its_scaler_and_its_input_conversion(cfg_factory, monke
         prec.convert_input,
     )
     assert x.dtype == torch.float32
+
+
+def test_float16_autocast_on_a_cpu_runs_without_onednn_and_the_next_run_gets_it_back(
+    cfg_factory, caplog
+):
+    """oneDNN's float16 convolution backward is several times slower than torch's own kernels
+    on a CPU with AVX512-FP16 (benchmarks/RESULTS.md): precision=amp on a CPU turns it off for
+    its run, says so, and the next run of the process (an in-process sweep) has it again."""
+    seen = {}  # oneDNN's state as each run left it (apply sets it at every run's start)
+    with caplog.at_level("INFO", logger="mixprec"):
+        run.run(cfg_factory("precision=amp", "trainer.max_steps=2"))
+        seen["amp"] = torch.backends.mkldnn.enabled
+        run.run(cfg_factory("precision=bf16", "trainer.max_steps=2"))
+        seen["bf16"] = torch.backends.mkldnn.enabled
+    assert seen == {"amp": False, "bf16": True}
+    assert "float16 autocast on a CPU: oneDNN is off for this run" in caplog.text

@@ -26,6 +26,7 @@ class Settings:
     profile: str  # the hardware profile, for messages
     recompile_limit: int | None  # dynamo's recompile limit (compile_scope=blocks needs more)
     detect_anomaly: bool  # autograd anomaly mode (debug.detect_anomaly)
+    cpu_fp16: bool = False  # float16 autocast on a CPU: oneDNN off for the run (below)
 
 
 class _EnumConstantNotice(logging.Filter):
@@ -51,6 +52,7 @@ def apply(s: Settings, device: torch.device) -> None:
     if s.recompile_limit is not None:
         torch_private.raise_recompile_limit(s.recompile_limit)
     if device.type != "cuda":
+        set_onednn(not s.cpu_fp16)
         return
     torch.backends.cudnn.benchmark = s.cudnn_benchmark
     log.info(
@@ -62,6 +64,20 @@ def apply(s: Settings, device: torch.device) -> None:
     )
     if s.memory_gib is not None:
         cap_memory(s.memory_gib, s.profile, device)
+
+
+def set_onednn(enabled: bool) -> None:
+    """oneDNN (torch.backends.mkldnn) for this run's CPU kernels. Off for float16 autocast: on
+    a CPU with AVX512-FP16, torch sends float16 convolutions to oneDNN, whose backward there
+    is several times slower than torch's own kernels (benchmarks/RESULTS.md, "fp16 autocast on
+    a CPU"); a CPU without AVX512-FP16 never sends them, so nothing changes there. bf16 and
+    fp32 keep oneDNN, which is much faster for them."""
+    if torch.backends.mkldnn.enabled != enabled and not enabled:
+        log.info(
+            "float16 autocast on a CPU: oneDNN is off for this run (its float16 convolution "
+            "backward is slower than torch's own kernels; benchmarks/RESULTS.md)"
+        )
+    torch.backends.mkldnn.enabled = enabled
 
 
 def set_tf32(enabled: bool) -> None:

@@ -167,6 +167,7 @@ def process_settings(c: TrainConfig, hw: hardware.HardwareConfig) -> process.Set
         profile=hw.name,
         recompile_limit=compiling.BLOCK_RECOMPILE_LIMIT if blocks else None,
         detect_anomaly=c.debug.detect_anomaly,
+        cpu_fp16=c.precision.autocast == "float16",  # (process.set_onednn: CPUs only)
     )
 
 
