@@ -61,7 +61,7 @@ test-gpu: $(STAMP)       ## only the tests marked gpu (GPU)
 	$(NEEDS_GPU)
 	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)
 
-bench-headline: $(STAMP) ## (CPU or GPU; ~9 min on a 2-core CPU, the sum of the README table's CPU runs) train.py precision=P batch=B on the default: fp32/amp/bf16 x batch 16..1024
+bench-headline: $(STAMP) ## (CPU or GPU; ~5 min on a 2-core CPU, the sum of the README table's CPU runs) train.py precision=P batch=B on the default: fp32/amp/bf16 x batch 16..1024
 	$(BIN)/python benchmarks/headline.py
 
 bench-cpu: $(STAMP)      ## (CPU) train.py vs a bare PyTorch loop on this CPU

@@ -289,8 +289,8 @@ class Precision:
         """Warnings before training."""
         if self.device_type == "cpu" and self.dtype is torch.float16:
             return [
-                f"precision={self.name} on the CPU: float16 autocast is emulated there, "
-                "several times slower than fp32 (measured on a 2-core CPU: "
+                f"precision={self.name} on the CPU: float16 has no fast kernels there and runs "
+                "several times slower than fp32 or bf16 (measured on a 2-core CPU: "
                 "benchmarks/RESULTS.md); it shows the recipe works, not what it buys on a GPU"
             ]
         return []
