@@ -54,6 +54,8 @@ def torchrun(args: list[str], run_dir: Path) -> subprocess.CompletedProcess:
             "is not a parallel strategy plugin: it must define",
         ),
         (["parallel.plugin=mixprec.parallel.sharding"], "is not a parallel strategy plugin"),
+        (["parallel.plugin=null"], "parallel=ddp: parallel.plugin is missing"),
+        (["data.plugin=null"], "data=digits: data.plugin is missing"),
     ],
 )
 def test_bad_parallel_values_name_the_key(overrides, needle):

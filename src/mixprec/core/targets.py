@@ -50,6 +50,21 @@ def plugin(key: str, path: str, attrs: tuple[str, ...], kind: str, what: str, hi
     return module
 
 
+def parse_plugin(group: str, node: dict, name_key: str, module: Callable[[str], Any]) -> Any:
+    """A plugin group's node (precision, parallel, data) parsed by its plugin module's own
+    Config (`module(path)`: the group's checked loader): a missing `plugin`, unknown keys and
+    bad values are ConfigErrors naming the key."""
+    from mixprec.core import schema
+
+    name, path = node.get(name_key), node.get("plugin")
+    if not isinstance(path, str):
+        raise ConfigError(
+            f"{group}={name}: {group}.plugin is missing; it names the module that implements "
+            f"it, e.g. mixprec.{group}.{'base' if group == 'precision' else name}"
+        )
+    return schema.parse(module(path).Config, node, group, f"{group}={name}")
+
+
 def imported(key: str, value: str, module_name: str, hint: str = ""):
     """`module_name` imported for the config's `key` (set to `value`): whatever a user's module
     does at import (raises, calls sys.exit, runs argparse on train.py's arguments) is a

@@ -17,7 +17,7 @@ import pkgutil
 from types import ModuleType
 from typing import Any
 
-from mixprec.core import schema, targets
+from mixprec.core import targets
 from mixprec.core.errors import ConfigError
 from mixprec.data.base import Context, Data, DataConfig, Workers
 
@@ -56,18 +56,13 @@ def plugin_module(path: str) -> ModuleType:
 def parse(node: dict) -> Any:
     """The dataset's own Config from the composed `data` node: unknown keys and bad values are
     ConfigErrors naming the key."""
-    name, path = node.get("name"), node.get("plugin")
-    if not isinstance(path, str):
-        raise ConfigError(
-            f"data={name}: data.plugin is missing; it names the module that implements the "
-            "dataset, e.g. mixprec.data.digits"
-        )
+    name = node.get("name")
     if "target" in node and name != "custom":
         raise ConfigError(
             f"data.target is not a key of data={name}: your own datasets are "
             f"data=custom data.target={node['target']} (src/mixprec/data/custom.py)"
         )
-    return schema.parse(plugin_module(path).Config, node, "data", f"data={name}")
+    return targets.parse_plugin("data", node, "name", plugin_module)
 
 
 def spec(cfg: Any) -> tuple[int, tuple[int, ...]]:

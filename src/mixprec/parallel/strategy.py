@@ -36,7 +36,7 @@ from types import ModuleType
 from omegaconf import MISSING
 from torch import nn
 
-from mixprec.core import schema, targets
+from mixprec.core import targets
 from mixprec.core.errors import ConfigError
 
 
@@ -94,15 +94,8 @@ def plugin_module(path: str) -> ModuleType:
 
 
 def parse(node: dict) -> ParallelConfig:
-    """The plugin's own Config from the composed `parallel` node: unknown keys and bad values
-    are ConfigErrors naming the key."""
-    name, path = node.get("strategy"), node.get("plugin")
-    if not isinstance(path, str):
-        raise ConfigError(
-            f"parallel={name}: parallel.plugin is missing; it names the module that "
-            "implements the strategy, e.g. mixprec.parallel.ddp"
-        )
-    return schema.parse(plugin_module(path).Config, node, "parallel", f"parallel={name}")
+    """The plugin's own Config from the composed `parallel` node."""
+    return targets.parse_plugin("parallel", node, "strategy", plugin_module)
 
 
 def of(pcfg: ParallelConfig) -> Strategy:

@@ -42,7 +42,7 @@ from omegaconf import MISSING
 from torch import nn
 from torch.amp import GradScaler
 
-from mixprec.core import schema, targets
+from mixprec.core import targets
 from mixprec.core.errors import ConfigError, check
 
 log = logging.getLogger(__name__)
@@ -348,15 +348,8 @@ def plugin_module(path: str) -> ModuleType:
 
 
 def parse(node: dict) -> PrecisionConfig:
-    """The plugin's own Config from the composed `precision` node: unknown keys and bad values
-    are ConfigErrors naming the key."""
-    name, path = node.get("name"), node.get("plugin")
-    if not isinstance(path, str):
-        raise ConfigError(
-            f"precision={name}: precision.plugin is missing; it names the module "
-            "that implements the precision, e.g. mixprec.precision.base"
-        )
-    return schema.parse(plugin_module(path).Config, node, "precision", f"precision={name}")
+    """The plugin's own Config from the composed `precision` node."""
+    return targets.parse_plugin("precision", node, "name", plugin_module)
 
 
 def build(
