@@ -100,6 +100,20 @@ def group(name: str, option: str | None = None, **keys):
     return getattr(validate(compose_cfg(overrides)), name)
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """What a test's in-process run leaves in os.environ (W&B's WANDB_SERVICE, once wandb.init
+    ran in this process) is gone after the test: the zygote refuses a request whose environment
+    differs from the one it imported under, and a later test on the same worker would then run
+    its ranks as real processes or fail, depending on which tests xdist gave that worker first
+    (seen under load: the zygote tests failed after a W&B test on the same worker)."""
+    before = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    os.environ.update({k: v for k, v in before.items() if os.environ.get(k) != v})
+
+
 @pytest.fixture
 def cfg_factory(tmp_path):
     """Composes a config with its own fresh run dir (tmp_path/run, run1, run2, ...), unless the
