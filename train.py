@@ -4,6 +4,7 @@ import gc
 
 gc.disable()  # until the imports are done (frozen below): collecting them mid-import is wasted
 
+import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
@@ -34,8 +35,16 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def entry() -> None:
-    if int(os.environ.get("RANK", "0")) > 0:  # torchrun's other ranks: the same config, composed
-        run_main(compose_config(sys.argv[1:]))  # without a run dir (rank 0's is broadcast)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank > 0:  # torchrun's other ranks: the same config, composed without a run dir (rank
+        # 0's is broadcast) and quiet but for errors: the first rank to fail ends the others,
+        # and a config error must be said by whichever rank that is
+        logging.basicConfig(
+            level=logging.ERROR,
+            format=f"[rank {rank}][%(name)s][%(levelname)s] - %(message)s",
+            force=True,
+        )
+        run_main(compose_config(sys.argv[1:]))
     else:
         with config_errors_exit_2():  # Hydra's own config errors (seed=1.5) exit 2, as mixprec's do
             main()
