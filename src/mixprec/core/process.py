@@ -72,7 +72,7 @@ def set_onednn(enabled: bool) -> None:
     is several times slower than torch's own kernels (benchmarks/RESULTS.md, "fp16 autocast on
     a CPU"); a CPU without AVX512-FP16 never sends them, so nothing changes there. bf16 and
     fp32 keep oneDNN, which is much faster for them."""
-    if torch.backends.mkldnn.enabled != enabled and not enabled:
+    if torch.backends.mkldnn.enabled and not enabled:
         log.info(
             "float16 autocast on a CPU: oneDNN is off for this run (its float16 convolution "
             "backward is slower than torch's own kernels; benchmarks/RESULTS.md)"

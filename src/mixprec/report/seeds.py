@@ -6,6 +6,7 @@ as asked (python -m mixprec.study run)."""
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,8 +111,9 @@ def _seed_of(run: Path, local) -> tuple[Seed | None, str | None]:
 
 
 def _median(values: list) -> float | None:
-    v = sorted(x for x in values if isinstance(x, (int, float)) and math.isfinite(x))
-    return None if not v else (v[len(v) // 2] + v[(len(v) - 1) // 2]) / 2
+    """The median of the finite numbers among `values` (None: there are none)."""
+    v = [x for x in values if isinstance(x, (int, float)) and math.isfinite(x)]
+    return statistics.median(v) if v else None
 
 
 def eval_noise(seeds: list, reference: str) -> dict | None:
@@ -125,8 +127,7 @@ def eval_noise(seeds: list, reference: str) -> dict | None:
     finals = [s.final for s in ref if s.final is not None and math.isfinite(s.final)]
     if noise is None or len(finals) < 2:
         return None
-    mean = sum(finals) / len(finals)
-    spread = math.sqrt(sum((f - mean) ** 2 for f in finals) / (len(finals) - 1))
+    spread = statistics.stdev(finals)
     return {"noise": noise, "seed_spread": spread, "share": noise / spread if spread else None}
 
 

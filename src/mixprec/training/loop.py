@@ -113,7 +113,9 @@ def train_step(
         with no_sync(model) if i < accum - 1 else nullcontext():
             stats = learner.bn_guard.snapshot()
             with prec.autocast():
-                loss = forward(learner, x, y)[1] / accum  # mean over the effective batch
+                logits, own = forward(learner, x, y)
+                loss = own if own is not None else learner.task.loss(logits, y)
+                loss = loss / accum  # mean over the effective batch
             prec.scaler.scale(loss).backward()  # scale up so small fp16 grads do not flush to 0
             learner.bn_guard.keep_if_finite(loss, stats)  # an fp16 overflow must not poison BN
         total = total + loss.detach()
@@ -155,21 +157,16 @@ def evaluate(
             model.train()
             return None
         with learner.precision.autocast():
-            logits, own = forward(learner, x, y, own_only=True)
+            logits, own = forward(learner, x, y)
         summed = (  # the model's own mean loss x its targets, or the task's sum
             own.float() * y.numel()
             if own is not None
             else learner.task.loss(logits.float(), y, reduction="sum")
         )
-        batch = [
-            summed,
-            *(m.batch_sum(logits, y) for m in extra),
-            torch.tensor(float(y.numel()), device=y.device),
-        ]
-        # the loss and targets of alternate batches apart (two halves of the set, the same
-        # weights): the evaluation's own noise (no host sync)
-        batch += [batch[0] * (i % 2 == 0), batch[0] * (i % 2 == 1)]
-        batch += [batch[-3] * (i % 2 == 0), batch[-3] * (i % 2 == 1)]
+        n = torch.tensor(float(y.numel()), device=y.device)
+        even = float(i % 2 == 0)  # alternate batches: two halves of the set, the same weights
+        batch = [summed, *(m.batch_sum(logits, y) for m in extra), n]
+        batch += [summed * even, summed * (1 - even), n * even, n * (1 - even)]  # (no sync)
         sums = torch.stack(batch) if sums is None else sums + torch.stack(batch)
     model.train()
     *totals, n, a, b, n_a, n_b = reduce(sums).tolist()
@@ -179,13 +176,12 @@ def evaluate(
     return {**val, **learner.task.derived(val)}
 
 
-def forward(learner: Learner, x, y, own_only: bool = False) -> tuple:
-    """(logits, loss): the logits in the model's output (a tensor, .logits or ["logits"]) and
-    the task's mean loss of them, or with model.loss=own the model called with labels=y and
-    the loss it returns (`own_only`: None for the task's, left to the caller)."""
+def forward(learner: Learner, x, y) -> tuple:
+    """(logits, own loss): the logits in the model's output (a tensor, .logits or ["logits"]),
+    and with model.loss=own the mean loss the model returns when called with labels=y (None
+    otherwise: the caller takes the task's loss of the logits, a mean or a sum)."""
     if not learner.own_loss:
-        logits = logits_of(learner.model(x))
-        return logits, None if own_only else learner.task.loss(logits, y)
+        return logits_of(learner.model(x)), None
     out = learner.model(x, labels=y)
     loss = loss_of(out)
     if loss is None:
