@@ -70,6 +70,14 @@ gc.enable()
 CPU_SMALL = ["hardware=cpu", "logger=none", "trainer.log_every=1", "trainer.perf_warmup_steps=0"]
 
 
+TINY_BERT = [  # transformers' BERT at a CPU test's size (model=hf; random init, nothing downloaded)
+    "model=hf",
+    "model.hf.config=bert",
+    "++model.hf.overrides={hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, "
+    "intermediate_size: 64}",
+]
+
+
 def compose_cfg(overrides: list[str], run_dir: Path | None = None) -> DictConfig:
     """compose() as train.py's parser composes, with run_dir set (default "."). The same
     overrides compose to the same config while the ConfigStore holds the same nodes (a test

@@ -27,6 +27,7 @@ from mixprec.run.config import validate
 
 from conftest import (
     ROOT,
+    TINY_BERT,
     compose_cfg,
     last_weights,
     run_module,
@@ -605,10 +606,7 @@ def test_bert_sequence_classification_with_its_own_loss_from_dict_samples(tmp_pa
     of token ids and a label, trained on the loss it computes itself; it learns the rule."""
     pytest.importorskip("transformers")
     over = [
-        "model=hf",
-        "model.hf.config=bert",
-        "++model.hf.overrides={hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, "
-        "intermediate_size: 64}",
+        *TINY_BERT,
         "model.loss=own",
         "data=custom",
         "data.target=own_data:marked",

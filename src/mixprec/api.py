@@ -5,6 +5,7 @@
         model=net,                                   # an nn.Module, or a callable returning one
         data={"train": train_ds, "val": val_ds, "num_classes": 10},  # or (train_ds, val_ds)
         overrides=["precision=bf16", "trainer.max_steps=200"],       # as on the command line
+        loss=my_loss,  # optional: fn(logits, targets) -> mean loss, "own" (the model's) or "task"
     )
     runs = mixprec.sweep(model=net, data=..., precisions=["fp32", "bf16"])  # + report.md
 
@@ -34,10 +35,14 @@ log = logging.getLogger("mixprec")
 _OBJECTS: dict[str, object] = {}  # what train() was given, by a key of this call's own
 
 
-def train(model=None, data=None, overrides=(), run_dir=None, num_classes=None, vocab_size=None):
+def train(
+    model=None, data=None, overrides=(), run_dir=None, num_classes=None, vocab_size=None, loss=None
+):
     """One run, as `python train.py OVERRIDES` with your objects; returns its summary.
-    `data` is a dict as a data.target callable returns it, or (train, val) with `num_classes`
-    or `vocab_size`; None keeps the config's data. `run_dir`: outputs/python/<time> if None."""
+    `data` is a dict as a data.target callable returns it (a "collate_fn" too), or (train, val)
+    with `num_classes` or `vocab_size`; None keeps the config's data. `loss`: a function
+    fn(logits, targets) -> the mean loss, or model.loss's words ("task", "own",
+    "package.module:fn"). `run_dir`: outputs/python/<time> if None."""
     from hydra.errors import CompactHydraException
 
     from mixprec.run import session
@@ -47,6 +52,7 @@ def train(model=None, data=None, overrides=(), run_dir=None, num_classes=None, v
     keys: list[str] = []
     try:
         extra = _model_overrides(model, keys) + _data_overrides(data, num_classes, vocab_size, keys)
+        extra += _loss_overrides(loss, keys)
         try:
             cfg = compose_config([*extra, *overrides])
         except CompactHydraException as e:  # an unknown option, a wrong type: as train.py's exit 2
@@ -127,6 +133,29 @@ def _data_overrides(data, num_classes, vocab_size, keys: list) -> list[str]:
         data = {"train": data[0], "val": data[1], **what}
     key = _keep(data, keys)
     return ["data=custom", "data.target=mixprec.api:data_object", f"+data.kwargs.key={key}"]
+
+
+def _loss_overrides(loss, keys: list) -> list[str]:
+    if loss is None:
+        return []
+    if isinstance(loss, str):
+        return [f"model.loss={loss}"]
+    if not callable(loss):
+        raise ConfigError(
+            f"mixprec.train(loss=...) got {type(loss).__name__}: give a function "
+            "fn(logits, targets) -> the batch's mean loss, or 'task', 'own', 'package.module:fn'"
+        )
+    return [f"model.loss=mixprec.api:{LOSS}{_keep(loss, keys)}"]
+
+
+LOSS = "loss_"  # model.loss=mixprec.api:loss_<key>: the function train(loss=...) was given
+
+
+def __getattr__(name: str):
+    """train(loss=fn)'s function, as model.loss finds it (PEP 562: a module's own getattr)."""
+    if name.startswith(LOSS) and name[len(LOSS) :] in _OBJECTS:
+        return _OBJECTS[name[len(LOSS) :]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _keep(obj, keys: list) -> str:

@@ -177,3 +177,78 @@ def marked(n: int = 512, seq_len: int = 16, vocab: int = 64) -> dict:
         "num_classes": 2,
         "vocab_size": vocab,
     }
+
+
+class Tagged(Dataset):
+    """Token classification, as a Hugging Face dataset gives it: dict samples of token ids of
+    varying length, their attention mask and a label per token (the token's class: its id mod
+    `classes`, except that a token after the mark (1) is class 0: the label needs the context)."""
+
+    def __init__(self, n: int, max_len: int, vocab: int, classes: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.lengths = torch.randint(max_len // 2, max_len + 1, (n,), generator=g)
+        self.ids = torch.randint(1, vocab, (n, max_len), generator=g)
+        self.classes = classes
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int):
+        ids = self.ids[i, : self.lengths[i]]
+        labels = ids % self.classes
+        labels[1:][ids[:-1] == 1] = 0
+        return {
+            "input_ids": ids.tolist(),
+            "attention_mask": [1] * len(ids),
+            "labels": labels.tolist(),
+        }
+
+
+def word_tokenizer(vocab: int):
+    """A tokenizer built here, nothing downloaded: ids 0..vocab-1, 0 the padding."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"[PAD]": 0, **{f"w{i}": i for i in range(1, vocab)}}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(words, unk_token="w1")), pad_token="[PAD]"
+    )
+
+
+def tagged(n: int = 512, max_len: int = 16, vocab: int = 32, classes: int = 3) -> dict:
+    """Ragged samples padded per batch by transformers' DataCollatorForTokenClassification
+    (ids with the pad token, labels with -100), as a Hugging Face pipeline batches them."""
+    from transformers import DataCollatorForTokenClassification
+
+    return {
+        "train": Tagged(n, max_len, vocab, classes, seed=0),
+        "val": Tagged(n // 4, max_len, vocab, classes, seed=1),
+        "num_classes": classes,
+        "vocab_size": vocab,
+        "collate_fn": DataCollatorForTokenClassification(word_tokenizer(vocab)),
+    }
+
+
+def marked_masked(n: int = 512, seq_len: int = 16, vocab: int = 64) -> dict:
+    """marked() with an attention mask that hides the second half of every sequence (a mark
+    there is noise: the label counts only the first half's)."""
+    made = marked(n, seq_len, vocab)
+    for ds in (made["train"], made["val"]):
+        ds.mask = torch.ones(seq_len, dtype=torch.long)
+        ds.mask[seq_len // 2 :] = 0
+        ds.labels = (ds.ids[:, : seq_len // 2] == 1).any(1).long()
+    made["train"] = Masked(made["train"])
+    made["val"] = Masked(made["val"])
+    return made
+
+
+class Masked(Dataset):
+    def __init__(self, data: Marked) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        return {**self.data[i], "attention_mask": self.data.mask}

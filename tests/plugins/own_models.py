@@ -183,3 +183,36 @@ class AuxLossNet(nn.Module):
         if labels is None or not self.with_loss:
             return logits if labels is None else {"logits": logits}
         return {"logits": logits, "loss": F.cross_entropy(logits.float(), labels) + 10.0}
+
+
+class KeywordNet(nn.Module):
+    """Sequence classification from keyword arguments, as a Hugging Face-style forward takes
+    them: token ids and the attention mask, both required (mean of the unmasked tokens'
+    embeddings, then a linear layer)."""
+
+    def __init__(self, vocab_size: int, num_classes: int, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        mask = attention_mask.unsqueeze(-1).to(self.embed.weight.dtype)
+        pooled = (self.embed(input_ids) * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return self.head(pooled)
+
+
+class TinyTagger(nn.Module):
+    """Token classification: a label per token from the token and its neighbours."""
+
+    mixprec_head = "head"
+
+    def __init__(self, vocab_size: int, num_classes: int, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.mix = nn.Conv1d(dim, dim, 3, padding=1)
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask=None) -> torch.Tensor:
+        h = self.embed(input_ids)
+        h = h + torch.relu(self.mix(h.transpose(1, 2))).transpose(1, 2)
+        return self.head(h)

@@ -34,8 +34,10 @@ class Metric:
     goal: Optional[str] = None  # max or min: a sweep may optimise it (objective=<summary name>)
     report: bool = False  # a column of report.md
     batch_sum: Optional[Callable] = None  # validation metrics: the batch's sum (mean over samples)
-    task: Optional[str] = None  # a validation metric of this task only (tasks.py), else any
+    tasks: tuple[str, ...] = ()  # a validation metric of these tasks only (tasks.py), else any
 
+
+ACCURACY = ("classify", "tag")  # the tasks with a label to be right about (not the next token)
 
 METRICS: list[Metric] = [  # the report's columns come in this order
     Metric("perf/samples_per_s", "samples_per_s", goal="max", report=True),
@@ -45,7 +47,7 @@ METRICS: list[Metric] = [  # the report's columns come in this order
     Metric("amp/skipped_steps", "skipped_steps", report=True),
     Metric("amp/loss_scale", "loss_scale", report=True),
     Metric("train/loss", "train_loss", goal="min", report=True),
-    Metric("val/acc1", "val_acc1", goal="max", report=True, batch_sum=correct(1), task="classify"),
+    Metric("val/acc1", "val_acc1", goal="max", report=True, batch_sum=correct(1), tasks=ACCURACY),
     Metric("val/bpb", "val_bpb", goal="min", report=True),  # LMs: bits per byte (tasks.py)
     Metric("mem/max_batch", "max_batch", report=True),
     Metric("val/loss", "val_loss", goal="min"),  # evaluate() sums the learner's own loss
@@ -78,12 +80,12 @@ def objectives() -> tuple[str, ...]:
 def not_measured_for(objective: str, task: str) -> bool:
     """An objective that this task never measures (val_acc1 on token data: no accuracy)."""
     m = next((m for m in METRICS if m.summary == objective), None)
-    return m is not None and m.task is not None and m.task != task
+    return m is not None and bool(m.tasks) and task not in m.tasks
 
 
 def evaluated(task: str = "classify") -> list[Metric]:
     """The validation metrics evaluate() computes for a task, in order."""
-    return [m for m in METRICS if m.batch_sum is not None and m.task in (None, task)]
+    return [m for m in METRICS if m.batch_sum is not None and (not m.tasks or task in m.tasks)]
 
 
 # families of keys named per layer (debug.numerics: numerics/<layer>/<tensor>/underflow, ...)

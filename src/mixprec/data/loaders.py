@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import queue
 import threading
+from collections.abc import Mapping
 from contextlib import nullcontext
 from typing import Callable, Iterable, Iterator
 
@@ -21,15 +22,27 @@ def to_device(batch, device: torch.device, fmt: torch.memory_format, convert=Non
     """A batch on its device, its input in the dtype the precision computes on
     (`convert`: Precision.convert_input, float64 -> float32 by default: a float64 input, numpy's
     default, meets float32 weights as "mat1 and mat2 must have the same dtype" at the first
-    step). A floating input is converted before the copy when that narrows it."""
+    step). An input given as a dict of keyword arguments: each of its tensors so."""
     x, y = batch
     convert = convert or Context.convert
+    if isinstance(x, Mapping):
+        x = {k: _input_to(v, device, fmt, convert) for k, v in x.items()}
+    else:
+        x = _input_to(x, device, fmt, convert)
+    return x, y.to(device, non_blocking=True)
+
+
+def _input_to(x, device: torch.device, fmt: torch.memory_format, convert):
+    """One input tensor on the device in the precision's dtype (converted before the copy where
+    that narrows it), an image batch in the model's memory format; anything else as it is."""
+    if not isinstance(x, torch.Tensor):
+        return x
     if x.is_floating_point():
         wanted = convert(x[:0]).dtype  # the dtype it becomes, read off an empty slice
         if wanted.itemsize < x.dtype.itemsize:
             x = x.to(dtype=wanted)
-    x = x.to(device, non_blocking=True)
-    return convert(x).contiguous(memory_format=fmt), y.to(device, non_blocking=True)
+    x = convert(x.to(device, non_blocking=True))
+    return x.contiguous(memory_format=fmt) if x.dim() == 4 else x
 
 
 class Normalize:

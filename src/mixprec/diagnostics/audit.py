@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from mixprec.core import tasks
 from mixprec.diagnostics.replay import MATMULS
 
 log = logging.getLogger("mixprec")
@@ -102,7 +103,7 @@ def audit(model: nn.Module, x: torch.Tensor, autocast, owned: dict[str, str] | N
 
     def forward():
         with torch.no_grad(), autocast():
-            model(x)
+            tasks.call(model, x)
 
     try:
         flops = _module_flops(model, forward)

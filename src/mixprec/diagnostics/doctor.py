@@ -159,7 +159,7 @@ def locate(learner, micro_batches: list, scale: float) -> dict:
             watch = _Watch(model, limit)
             try:
                 with prec.autocast():
-                    loss = learner.task.loss(model(x), y)
+                    loss = learner.batch_loss(x, y, model)[1]
                 if watch.forward is None and loss.requires_grad:
                     (loss.float() * scale).backward()
             finally:

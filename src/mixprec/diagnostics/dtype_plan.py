@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from mixprec.core import norms
+from mixprec.core import norms, tasks
 from mixprec.core.errors import DtypeMismatch
 from mixprec.diagnostics.replay import MATMULS, tensors, untouched
 
@@ -157,10 +157,11 @@ PLAN_SAMPLES = 16  # the re-run's batch: dtypes do not depend on it, its time an
 
 
 def first_samples(x):
-    """The first PLAN_SAMPLES samples of a batch-first input (all of a smaller one). 16 keeps
-    float8's rule that a matmul's rows come in multiples of 16 wherever the full batch kept it
-    (16 sequences of any length; 16 images of any token count)."""
-    return x[:PLAN_SAMPLES] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+    """The first PLAN_SAMPLES samples of a batch-first input (all of a smaller one; each entry
+    of a dict of keyword arguments). 16 keeps float8's rule that a matmul's rows come in
+    multiples of 16 wherever the full batch kept it (16 sequences of any length; 16 images of
+    any token count)."""
+    return tasks.first(x, PLAN_SAMPLES)
 
 
 def label_of(name: str, labels: dict[str, str]) -> str | None:
@@ -202,7 +203,7 @@ def computed(model: nn.Module, prec, x) -> tuple[dict, dict]:
     ]
     try:
         with untouched(model, training=False), torch.no_grad(), prec.autocast():
-            model(x)
+            tasks.call(model, x)
     finally:
         for h in handles:
             h.remove()

@@ -158,7 +158,7 @@ def probe(learner, micro_batch: tuple, scale: float) -> list[dict]:
         handles = [m.register_forward_hook(hook_for(n, m, c)) for n, (m, c) in layers.items()]
         try:
             with prec.autocast():
-                loss = learner.task.loss(model(x), y)
+                loss = learner.batch_loss(x, y, model)[1]
         finally:
             for h in handles:
                 h.remove()

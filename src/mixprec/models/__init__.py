@@ -23,7 +23,7 @@ from omegaconf import MISSING
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from mixprec.core import tasks
+from mixprec.core import targets, tasks
 from mixprec.core.errors import ConfigError, check, one_of
 from mixprec.internals import torch_private
 from mixprec.models import (  # noqa: F401  (llama, zoo: register mixprec_llama, _digits_* with timm)
@@ -75,11 +75,18 @@ class ModelConfig:
         MISSING  # recompute activations in backward: less memory, more compute
     )
     kwargs: Dict[str, Any] = MISSING  # extra arguments of the model's builder (timm or target)
-    loss: str = MISSING  # task: mixprec's loss of the logits; own: the model's, given labels=y
+    loss: str = MISSING  # task: the data's loss of the logits; own: the model's, given labels=y;
+    # package.module:fn: yours, fn(logits, targets) -> the mean loss
 
     def __post_init__(self) -> None:
         self.adapter.check(self)
-        one_of("model.loss", self.loss, LOSSES)
+        check(
+            self.loss in LOSSES or bool(targets.TARGET.match(str(self.loss))),
+            "model.loss",
+            self.loss,
+            "one of task, own, or package.module:fn (your loss of the logits and the "
+            "targets, found like model.target)",
+        )
         check(
             not (self.cuda_graphs and self.loss == "own"),
             "model.loss",
@@ -141,11 +148,9 @@ def build(
     classes and channels; a model that returns the wrong shape for the data is a config error."""
     task = task or tasks.CLASSIFY
     if mcfg.loss == "own" and mcfg.source == "hf" and task.name == "lm":
-        raise ConfigError(
-            "model.loss=own with model=hf on token data: a Hugging Face causal LM shifts its "
-            "labels by one itself, and this data's targets are already the next tokens (the "
-            "loss would skip a token); model.loss=task is the same cross-entropy, unshifted"
-        )
+        from mixprec.models import hf
+
+        hf.check_shift_labels()
     with device:  # weights made and initialised where they train (a 1B model: 5 s on a CPU)
         model = _create(mcfg, num_classes, input_shape, task)
     model.to(device)
@@ -192,7 +197,7 @@ def count_on_meta(mcfg: ModelConfig, num_classes: int, input_shape, task=None) -
             model = _create(mcfg, num_classes, input_shape, task)
         if any(isinstance(p, lazy) for p in model.parameters()):
             with torch.no_grad():
-                model.eval()(task.zeros(1, input_shape, meta))
+                tasks.call(model.eval(), task.zeros(1, input_shape, meta))
     except Exception:  # noqa: BLE001  (the real build names what is wrong)
         return None
     return sum(p.numel() for p in model.parameters() if not isinstance(p, lazy))
@@ -207,7 +212,7 @@ def _check_output(out, mcfg: ModelConfig, task, num_classes: int, input_shape, m
     """The model's output for one sample is what the task's loss needs: (1, classes) for
     classification, (1, T, vocab) for token sequences, floating point, and (where the model has
     trainable weights) connected to them."""
-    want = (1, input_shape[0], num_classes) if task.name == "lm" else (1, num_classes)
+    want = (1, input_shape[0], num_classes) if task.per_token else (1, num_classes)
     out = tasks.logits_of(out)  # (a tensor, an output object's .logits, a dict's "logits")
     got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
     if got == want and not out.is_floating_point():
@@ -222,10 +227,13 @@ def _check_output(out, mcfg: ModelConfig, task, num_classes: int, input_shape, m
             "return the output of the forward as it is"
         )
     if got != want:
-        kind = "token sequences (batch, T, vocab)" if task.name == "lm" else "(batch, classes)"
+        kind = {
+            "lm": "token sequences (batch, T, vocab)",
+            "tag": "a label per token (batch, T, classes)",
+        }.get(task.name, "(batch, classes)")
         if not isinstance(out, torch.Tensor):
             kind += " as a tensor, an object's .logits or a dict's ['logits']"
-        elif task.name != "lm" and out.dim() == 2 and mcfg.source == "target":
+        elif not task.per_token and out.dim() == 2 and mcfg.source == "target":
             kind += (
                 f"; a builder that names its classes otherwise: +model.kwargs.NAME={num_classes}"
             )
@@ -277,10 +285,11 @@ def _materialise(model: nn.Module, mcfg: ModelConfig, zeros: torch.Tensor):
     """One forward on zeros: lazy layers get their shapes before the optimizer sees the
     parameters, and a model that cannot take the data's input says so before any training.
     Returns the output (its shape is checked against the task)."""
-    input_shape = tuple(zeros.shape[1:])
+    main = next(iter(zeros.values())) if isinstance(zeros, dict) else zeros  # (the input first)
+    input_shape = tuple(main.shape[1:])
     try:  # with grad: a forward that detaches its output is seen (one sample's activations)
         with torch.enable_grad():
-            out = model.eval()(zeros)
+            out = tasks.call(model.eval(), zeros)
     except (RuntimeError, AssertionError, ValueError, TypeError, IndexError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         if "allocate" in first or "out of memory" in first:  # not the input's fault

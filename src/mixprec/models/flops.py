@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from mixprec.core import tasks
 from mixprec.core.tasks import CLASSIFY
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def _flop_counts(plain, device, autocast, batch, task, input_shape, num_classes)
     y = task.targets(batch, input_shape, num_classes, device)
     with FlopCounterMode(display=False) as counter:
         with autocast():
-            loss = task.loss(twin(x).float(), y)
+            loss = task.loss(tasks.call(twin, x).float(), y)
         loss.backward()
     return counter.get_flop_counts()
 

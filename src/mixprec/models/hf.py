@@ -2,18 +2,21 @@
 `model.hf.config` naming a model type (`llama`, `vit`, ... AutoConfig.for_model) or a local
 config.json, and `model.hf.overrides` on top. Random init, SDPA attention, no KV cache. The data
 picks the class: token data AutoModelForCausalLM, token ids with a label per sequence
-AutoModelForSequenceClassification, images AutoModelForImageClassification, with the data's
-vocabulary / classes, image size and channels written into the config.
+AutoModelForSequenceClassification, with a label per token AutoModelForTokenClassification,
+images AutoModelForImageClassification, with the data's vocabulary / classes, image size and
+channels written into the config.
 
-The model trains inside a thin wrapper that takes mixprec's inputs (token ids, or images) and
-returns the logits; it declares its head (the output embedding or the classifier: fp8 keeps it
-in bf16, keep_fp32=[head]) and its blocks (the repeated class of `_no_split_modules`, as
-Accelerate shards them) for compile_scope=blocks, checkpointing and FSDP2. transformers is an
-optional extra: pip install -e '.[hf]'."""
+The model trains inside a thin wrapper that takes mixprec's inputs (token ids, or images; a
+dict's other entries, such as attention_mask, by keyword) and returns the logits; it declares
+its head (the output embedding or the classifier: fp8 keeps it in bf16, keep_fp32=[head]) and
+its blocks (the repeated class of `_no_split_modules`, as Accelerate shards them) for
+compile_scope=blocks, checkpointing and FSDP2. transformers is an optional extra:
+pip install -e '.[hf]'."""
 
 from __future__ import annotations
 
 import collections
+import inspect
 import json
 from pathlib import Path
 
@@ -108,6 +111,21 @@ def _why(e: Exception) -> str:
     return (lines[-1] if lines else type(e).__name__)[:200]
 
 
+def check_shift_labels() -> None:
+    """model.loss=own on token data: the installed transformers' causal-LM loss must take the
+    targets as they are (`shift_labels`); without it, it would shift them
+    once more and skip a token."""
+    _transformers()
+    from transformers.loss import loss_utils
+
+    if "shift_labels" not in inspect.signature(loss_utils.ForCausalLMLoss).parameters:
+        raise ConfigError(
+            "model.loss=own with model=hf on token data needs a transformers whose causal-LM "
+            "loss takes shift_labels (this data's targets are already the next tokens); "
+            "upgrade transformers, or use model.loss=task (the same cross-entropy)"
+        )
+
+
 def build(name: str, overrides: dict, task, num_classes: int, input_shape) -> nn.Module:
     tf = _transformers()
     config = make_config(name, overrides, task, num_classes, input_shape)
@@ -118,8 +136,8 @@ def build(name: str, overrides: dict, task, num_classes: int, input_shape) -> nn
         raise ConfigError(
             f"model.hf.config={name!r}: transformers builds no {kind} from "
             f"{type(config).__name__} ({str(e).splitlines()[0][:200]}); the data decides the "
-            "kind (token data: causal LM, token ids with labels: sequence classification, "
-            "images: image classification)"
+            "kind (token data: causal LM, token ids with a label: sequence classification, "
+            "with a label per token: token classification, images: image classification)"
         ) from None
     except Exception as e:  # noqa: BLE001  (e.g. a negative size: torch's RuntimeError)
         raise ConfigError(
@@ -133,6 +151,8 @@ def _kind(tf, task) -> tuple:
     """(what it is, transformers' Auto class, mixprec's wrapper) for the data's task."""
     if task.name == "lm":
         return "a causal language model", tf.AutoModelForCausalLM, CausalLM
+    if task.name == "tag":
+        return "a token classifier", tf.AutoModelForTokenClassification, TokenClassifier
     if getattr(task, "vocab", None):
         return "a sequence classifier", tf.AutoModelForSequenceClassification, SequenceClassifier
     return "an image classifier", tf.AutoModelForImageClassification, ImageClassifier
@@ -171,8 +191,20 @@ class _Wrapped(nn.Module):
 
 
 class CausalLM(_Wrapped):
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=tokens, use_cache=False).logits
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **extra):
+        """The logits; given `labels` (model.loss=own), the model's output with its own loss.
+        This data's targets are already the next tokens: they go in as `shift_labels`, which
+        transformers' causal-LM loss takes as they are (given `labels` alone it would shift
+        them once more and skip a token)."""
+        if labels is None:
+            return self.hf(input_ids=input_ids, use_cache=False, **extra).logits
+        return self.hf(
+            input_ids=input_ids,
+            labels=labels,
+            shift_labels=labels.contiguous(),  # (its loss views it flat)
+            use_cache=False,
+            **extra,
+        )
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token, stated as mixprec's Llama states them (torch's counter
@@ -189,9 +221,9 @@ class ImageClassifier(_Wrapped):
     def _head_module(self) -> nn.Module | None:
         return getattr(self.hf, "classifier", None)
 
-    def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None):
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None, **extra):
         """The logits; given `labels` (model.loss=own), the model's output with its own loss."""
-        out = self.hf(pixel_values=images, labels=labels)
+        out = self.hf(pixel_values=pixel_values, labels=labels, **extra)
         return out.logits if labels is None else out
 
 
@@ -201,10 +233,14 @@ class SequenceClassifier(_Wrapped):
     def _head_module(self) -> nn.Module | None:
         return getattr(self.hf, "classifier", None) or getattr(self.hf, "score", None)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None):
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **extra):
         """The logits; given `labels` (model.loss=own), the model's output with its own loss."""
-        out = self.hf(input_ids=tokens, labels=labels)
+        out = self.hf(input_ids=input_ids, labels=labels, **extra)
         return out.logits if labels is None else out
+
+
+class TokenClassifier(SequenceClassifier):
+    """Token ids in, a label per token out (BERT, RoBERTa, ... for token classification)."""
 
 
 def _name_of(root: nn.Module, module: nn.Module | None) -> str | None:

@@ -42,7 +42,7 @@ class Target:
         facts = {"num_classes": num_classes}
         if task.name == "lm":
             facts.update(vocab_size=num_classes, max_seq_len=input_shape[0])
-        elif getattr(task, "vocab", None):  # sequence classification: token ids, a label
+        elif getattr(task, "vocab", None):  # token ids in: a label per sequence or per token
             facts.update(vocab_size=task.vocab, max_seq_len=input_shape[0])
         else:
             facts.update(in_chans=input_shape[0], input_shape=tuple(input_shape))

@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from mixprec.core import files
+from mixprec.core import files, tasks
 from mixprec.core.errors import MixprecError
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def layer_gemms(
     model.eval()
     try:
         with torch.no_grad(), autocast():
-            model(x)
+            tasks.call(model, x)
     finally:
         model.train(was_training)
         for h in handles:

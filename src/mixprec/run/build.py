@@ -17,8 +17,8 @@ from mixprec import data as datasets
 from mixprec import models
 from mixprec.checkpoint import store as checkpoint
 from mixprec.compile import compiling
-from mixprec.core import hardware, process, tasks
-from mixprec.core.errors import ConfigError
+from mixprec.core import hardware, process, targets, tasks
+from mixprec.core.errors import ConfigError, check
 from mixprec.diagnostics import dtype_plan
 from mixprec.models import flops
 from mixprec.optim import optimizers as optim
@@ -132,7 +132,7 @@ def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> 
     )
     plan = layouts.plan(c, len(data.train), layout)
     scheduler = optim.build_scheduler(c.scheduler, optimizer, plan.total_steps)
-    learner = loop.Learner(model, optimizer, scheduler, prec, data.task, c.model.loss == "own")
+    learner = make_learner(c, model, optimizer, scheduler, prec, data.task)
     parts = Parts(c, hw, dd, device, layout, data, learner, plan, lr, *counted)
     announce(parts)
     return parts
@@ -214,12 +214,29 @@ def assemble(
     parallel.check(prec, c.model, c.optimizer)
     model = parallel.wrap(model, prec, models.blocks_of(model), dd, device)
     if c.model.cuda_graphs:  # a fixed batch shape: the one every training step has
+        check(
+            not spec.task.takes_kwargs,
+            "model.cuda_graphs",
+            True,
+            "false with data.input_key naming several entries or '**' (a captured graph "
+            "takes one input tensor, not keyword arguments)",
+        )
         x = example(c, spec.input_shape, device, spec.batch, spec.num_classes, spec.task)
         compiling.capture_graphs(models.unwrap(model), x, prec)
     model = compiling.compiled(model, c.model)
     clipping = c.trainer.clip_grad_norm is not None
     optim_states.check_run(c.optimizer, prec, device, dd.world, clipping)
     return model, optim.build_optimizer(c.optimizer, models.unwrap(model), lr, device)
+
+
+def make_learner(c: TrainConfig, model, optimizer, scheduler, prec, task) -> loop.Learner:
+    """The learner, with the loss model.loss names: the task's, the model's own, or the user's
+    function (package.module:fn, found like model.target)."""
+    loss = c.model.loss
+    user = None
+    if loss not in ("task", "own"):
+        user = tasks.UserLoss(loss, targets.load("model.loss", loss, c.model.path))
+    return loop.Learner(model, optimizer, scheduler, prec, task, loss == "own", user)
 
 
 def check_memory(c: TrainConfig, spec: Spec, device: torch.device, dd) -> None:
@@ -281,7 +298,7 @@ def probes(c: TrainConfig, device: torch.device) -> tuple:
         spec = Spec(num_classes, shape, b, task)
         model, opt = assemble(c, prec, spec, device, alone, 1e-6, probing=True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-        return loop.Learner(model, opt, sched, prec, task, c.model.loss == "own")
+        return make_learner(c, model, opt, sched, prec, task)
 
     def inputs(b: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = example(c, shape, device, b, num_classes, task)

@@ -18,7 +18,7 @@ from torch.nn.utils import clip_grad_norm_, get_total_norm
 from torch.optim.lr_scheduler import LRScheduler
 
 from mixprec.core.errors import ConfigError
-from mixprec.core.tasks import CLASSIFY, Task, logits_of, loss_of
+from mixprec.core.tasks import CLASSIFY, Task, call, logits_of, loss_of
 from mixprec.parallel import sharding
 from mixprec.precision.base import Precision
 from mixprec.precision.step_guards import BatchNormGuard, StepWatch
@@ -35,6 +35,18 @@ class Learner:
     precision: Precision
     task: Task = CLASSIFY  # the loss and the validation metrics (tasks.py)
     own_loss: bool = False  # model.loss=own: the model is given labels=y and returns its loss
+    loss_fn: Callable | None = None  # model.loss=pkg.mod:fn: the user's loss of the logits
+
+    @property
+    def tasks_loss(self) -> bool:
+        """Whether the loss is the task's (what perplexity and bits per byte are derived from)."""
+        return not self.own_loss and self.loss_fn is None
+
+    def batch_loss(self, x, y, model: nn.Module | None = None) -> tuple:
+        """(logits, mean loss) of one batch, whichever the loss (forward() below); `model`:
+        another than the learner's (the diagnostics re-run its unwrapped copy)."""
+        logits, loss = forward(self, x, y, model)
+        return logits, loss if loss is not None else self.task.loss(logits, y)
 
     def __post_init__(self) -> None:
         self.watch = StepWatch(self.optimizer)  # was the step taken, or skipped by GradScaler?
@@ -113,9 +125,7 @@ def train_step(
         with no_sync(model) if i < accum - 1 else nullcontext():
             stats = learner.bn_guard.snapshot()
             with prec.autocast():
-                logits, own = forward(learner, x, y)
-                loss = own if own is not None else learner.task.loss(logits, y)
-                loss = loss / accum  # mean over the effective batch
+                loss = learner.batch_loss(x, y)[1] / accum  # mean over the effective batch
             prec.scaler.scale(loss).backward()  # scale up so small fp16 grads do not flush to 0
             learner.bn_guard.keep_if_finite(loss, stats)  # an fp16 overflow must not poison BN
         total = total + loss.detach()
@@ -158,12 +168,12 @@ def evaluate(
             return None
         with learner.precision.autocast():
             logits, own = forward(learner, x, y)
-        summed = (  # the model's own mean loss x its targets, or the task's sum
-            own.float() * y.numel()
+        n = learner.task.count(y).float()  # its targets (padding left out)
+        summed = (  # the model's own (or the user's) mean loss x its targets, or the task's sum
+            own.float() * n
             if own is not None
             else learner.task.loss(logits.float(), y, reduction="sum")
         )
-        n = torch.tensor(float(y.numel()), device=y.device)
         even = float(i % 2 == 0)  # alternate batches: two halves of the set, the same weights
         batch = [summed, *(m.batch_sum(logits, y) for m in extra), n]
         batch += [summed * even, summed * (1 - even), n * even, n * (1 - even)]  # (no sync)
@@ -173,16 +183,20 @@ def evaluate(
     val = {key: total / n for key, total in zip(["val/loss", *(m.key for m in extra)], totals)}
     if n_a and n_b:  # |A - B| / 2 estimates the whole set's standard error (two equal halves)
         val["val/loss_noise"] = abs(a / n_a - b / n_b) / 2
-    return {**val, **learner.task.derived(val)}
+    return {**val, **(learner.task.derived(val) if learner.tasks_loss else {})}
 
 
-def forward(learner: Learner, x, y) -> tuple:
-    """(logits, own loss): the logits in the model's output (a tensor, .logits or ["logits"]),
-    and with model.loss=own the mean loss the model returns when called with labels=y (None
-    otherwise: the caller takes the task's loss of the logits, a mean or a sum)."""
+def forward(learner: Learner, x, y, model: nn.Module | None = None) -> tuple:
+    """(logits, loss): the logits in the model's output (a tensor, .logits or ["logits"]) for
+    an input as the data gives it (a tensor, or a dict of keyword arguments), and the mean loss
+    the model returns when called with labels=y (model.loss=own) or the user's function of the
+    logits (model.loss=pkg.mod:fn); None for the task's loss, which the caller takes of the
+    logits (a mean or a sum). `model`: another than the learner's (its unwrapped copy)."""
+    model = learner.model if model is None else model
     if not learner.own_loss:
-        return logits_of(learner.model(x)), None
-    out = learner.model(x, labels=y)
+        logits = logits_of(call(model, x))
+        return logits, None if learner.loss_fn is None else learner.loss_fn(logits, y)
+    out = call(model, x, labels=y)
     loss = loss_of(out)
     if loss is None:
         raise ConfigError(
