@@ -8,11 +8,11 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
+from mixprec.core import early  # noqa: E402
 from mixprec.internals import quick_exit  # noqa: E402
-from mixprec.precision import fp8_early  # noqa: E402
 
 quick_exit.install()  # first: its atexit handler runs last, then skips the interpreter teardown
-fp8_early.start(sys.argv[1:])  # precision=fp8_auto: its timing processes import meanwhile
+early.start(sys.argv[1:])  # the precision's early work (its YAML's `early:`), during the imports
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

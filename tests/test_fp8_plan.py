@@ -321,9 +321,10 @@ def test_train_py_starts_timing_processes_only_where_a_plan_will_time_layers(mon
 def test_the_plan_claims_the_early_processes_of_its_gpu_and_the_builder_ends_the_rest(
     monkeypatch, tmp_path, cfg_factory
 ):
-    """Started by train.py (fp8_early.start), the timing processes are the ones the plan's
+    """Started by train.py (core/early.py: fp8.yaml's early module, fp8_early), the timing processes are the ones the plan's
     warm_up uses, with their start time; a dead one (no such GPU) or one for another GPU is
     ended and new ones start; a run that needs none (another precision) ends them at build."""
+    from mixprec.core import early
     from mixprec.run import session
 
     gpu = tmp_path / "nvidiactl"
@@ -369,9 +370,10 @@ def test_the_plan_claims_the_early_processes_of_its_gpu_and_the_builder_ends_the
     assert [p.device for p in spawned[4:]] == ["cuda:1", "cuda:1", "cuda:0", "cuda:0"]
     monkeypatch.delenv("LOCAL_RANK")
     spawned.clear(), ended.clear()
-    fp8_early.start(argv)  # then the run's config is another precision: the build ends them
-    session.run(cfg_factory("precision=bf16", "trainer.max_steps=1"))
-    assert ended == spawned and len(spawned) == 2
+    monkeypatch.setattr(early, "_started", [])
+    early.start(argv)  # as train.py starts them (fp8.yaml's `early:`), then the run's config
+    session.run(cfg_factory("precision=bf16", "trainer.max_steps=1"))  # is another precision:
+    assert ended == spawned and len(spawned) == 2  # the build ends them
 
 
 def test_a_timing_process_started_early_on_a_machine_without_that_gpu_ends_quietly():

@@ -18,7 +18,7 @@ from mixprec import models
 from mixprec.checkpoint import store as checkpoint
 from mixprec.compile import compiling
 from mixprec.core import files, metrics
-from mixprec.core.errors import DiskFull
+from mixprec.core.errors import ConfigError, DiskFull
 from mixprec.optim import optimizers as optim
 from mixprec.precision import base as precision
 from mixprec.run import build, layout
@@ -39,6 +39,58 @@ def outside(*args: str, run_dir: Path):
         [f"hydra.searchpath=[file://{PLUGINS / 'conf'}]", *args, f"hydra.run.dir={run_dir}"],
         env_extra={"PYTHONPATH": os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])},
     )
+
+
+@pytest.mark.slow
+def test_a_precisions_early_module_starts_before_torch_and_is_released(tmp_path):
+    """precision.early (core/early.py): the module a precision's YAML names, from outside src/
+    (tests/plugins/early_probe.py), is started on train.py's first lines, before torch is
+    imported, with the command line, and released once the build is past the warm-up; a
+    precision that names none starts nothing. train.py as users start it (not the zygote,
+    which has torch imported)."""
+    import subprocess
+    import sys
+
+    probe = tmp_path / "probe.jsonl"
+    env = {**os.environ, "EARLY_PROBE": str(probe), "WANDB_MODE": "disabled"}
+    env["PYTHONPATH"] = os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])
+    for option in ("early_probe", "bf16"):
+        args = [f"hydra.searchpath=[file://{PLUGINS / 'conf'}]", f"precision={option}"]
+        args += ["trainer.max_steps=2", "logger=none", f"hydra.run.dir={tmp_path / option}"]
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if option == "bf16":
+            assert not probe.exists()
+            break
+        events = [json.loads(line) for line in probe.read_text().splitlines()]
+        assert [e["event"] for e in events] == ["start", "release"], events
+        assert events[0]["torch_imported"] is False and "precision=early_probe" in events[0]["argv"]
+        probe.unlink()
+
+
+def test_each_precision_reaches_its_early_module_through_its_yaml():
+    """fp8_auto's timing processes are declared by conf/precision/fp8.yaml (fp8_auto builds on
+    it), found through `defaults` and the command line's search path; the last precision= on
+    the command line is the one; the built-in precisions without early work declare none."""
+    from mixprec.core import early
+
+    assert early.declared("fp8_auto") == early.declared("fp8") == "mixprec.precision.fp8_early"
+    assert {early.declared(p) for p in ("fp32", "tf32", "amp", "amp_accum", "bf16")} == {None}
+    assert early.declared("early_probe") is None  # not in conf/: in tests/plugins/conf
+    dirs = early.search_path([f"hydra.searchpath=[file://{PLUGINS / 'conf'}]"])
+    assert dirs[0] == PLUGINS / "conf" and early.declared("early_probe", dirs) == "early_probe"
+    assert early.choice(["precision=bf16", "seed=1", "+precision=fp8_auto"]) == "fp8_auto"
+    assert early.choice(["precision.fp8_layers=auto"]) is None
+    bad = compose_cfg(["precision=bf16", "+precision.early=os.path"])
+    with pytest.raises(ConfigError, match=r"precision.early='os.path' is not a pre-import plugin: it must define start"):
+        validate(bad)
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ from omegaconf import MISSING
 from torch import nn
 from torch.amp import GradScaler
 
-from mixprec.core import targets
+from mixprec.core import early, targets
 from mixprec.core.errors import ConfigError, check
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,9 @@ class PrecisionConfig:
         MISSING  # default micro-batches per optimizer step (the top-level `accum` reads it)
     )
     keep_fp32: List[str] = MISSING  # modules computed in fp32 under autocast (fp32_layers.py)
+    # a module train.py starts before its imports (core/early.py: start(argv), release(); no
+    # torch in it), whose work the plugin's warm_up claims: fp8_auto's timing processes
+    early: Optional[str] = None
 
     def __post_init__(self) -> None:
         check(
@@ -70,6 +73,8 @@ class PrecisionConfig:
             "null, float16 or bfloat16",
         )
         check(self.accum >= 1, "precision.accum", self.accum, "an int >= 1")
+        if self.early is not None:
+            early.load(self.early)  # a module with start(argv) and release(), or a ConfigError
 
 
 Config = PrecisionConfig  # this module is itself the plugin of fp32, tf32, amp, bf16

@@ -1,4 +1,5 @@
-"""precision=fp8_auto's timing processes (fp8_timing.py), started by train.py's first lines.
+"""precision=fp8_auto's timing processes (fp8_timing.py), started by train.py's first lines:
+this is the early module conf/precision/fp8.yaml declares (`early:`, core/early.py).
 
 On a machine whose caches are empty, the plan's time is its timing processes' imports (torch,
 torchao, inductor). Started by the plugin's warm_up, after the training process has imported
@@ -9,7 +10,7 @@ command line's word: an argument `precision=fp8_auto` or `precision.fp8_layers=a
 yet in the plan cache the command line names (or the default one), NVIDIA's driver loaded, and
 not a sweep or a help. Then they import while the training process imports, composes its config
 and builds. The plugin's warm_up claims them (claim()); the builder releases what is left
-unclaimed (another precision after all, a resumed plan, another GPU, a cached plan), and the
+unclaimed (core/early.release(): a resumed plan, another GPU, a cached plan), and the
 process's end ends them too.
 MIXPREC_FP8_EARLY=0 switches it off (warm_up starts them, as before).
 

@@ -17,7 +17,7 @@ from mixprec import data as datasets
 from mixprec import models
 from mixprec.checkpoint import store as checkpoint
 from mixprec.compile import compiling
-from mixprec.core import hardware, process, targets, tasks
+from mixprec.core import early, hardware, process, targets, tasks
 from mixprec.core.errors import ConfigError, check
 from mixprec.diagnostics import dtype_plan
 from mixprec.models import flops
@@ -25,7 +25,7 @@ from mixprec.optim import optimizers as optim
 from mixprec.optim import states as optim_states
 from mixprec.parallel import distributed, strategy
 from mixprec.precision import base as precision
-from mixprec.precision import fp8_early, fp32_layers
+from mixprec.precision import fp32_layers
 from mixprec.run import config, rundir
 from mixprec.run import layout as layouts
 from mixprec.run.config import TrainConfig
@@ -102,7 +102,7 @@ def build(c: TrainConfig, hw: hardware.HardwareConfig, dd: distributed.Dist) -> 
     layout = layouts.resolve(c, hw, device, dp_size, prec, lambda: probes(c, device))
     if saved_plan(c) is None:
         prec.warm_up(device, c.model.compile)  # fp8_auto: its timing processes, meanwhile
-    fp8_early.release()  # train.py's early timing processes, if warm_up did not claim them
+    early.release()  # what train.py started early (core/early.py), if warm_up did not claim it
     if c.model.compile:
         compiling.load_cache(c.model.compile_cache)  # before anything compiles
     load = lambda batch: datasets.build(  # noqa: E731
