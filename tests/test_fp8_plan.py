@@ -321,9 +321,10 @@ def test_train_py_starts_timing_processes_only_where_a_plan_will_time_layers(mon
 def test_the_plan_claims_the_early_processes_of_its_gpu_and_the_builder_ends_the_rest(
     monkeypatch, tmp_path, cfg_factory
 ):
-    """Started by train.py (core/early.py: fp8.yaml's early module, fp8_early), the timing processes are the ones the plan's
-    warm_up uses, with their start time; a dead one (no such GPU) or one for another GPU is
-    ended and new ones start; a run that needs none (another precision) ends them at build."""
+    """Started by train.py (core/early.py: fp8.yaml's early module, fp8_early), the timing
+    processes are the ones the plan's warm_up uses, with their start time; a dead one (no such
+    GPU) or one for another GPU is ended and new ones start; a run that needs none (another
+    precision) ends them at build."""
     from mixprec.core import early
     from mixprec.run import session
 
