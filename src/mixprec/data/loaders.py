@@ -59,6 +59,15 @@ class Normalize:
         return x.float().sub_(self.mean).div_(self.std), y
 
 
+def tensors_of(batch) -> Iterator[torch.Tensor]:
+    """The tensors of a staged batch: its (input, target), an input dict's entries too."""
+    for item in batch:
+        if isinstance(item, Mapping):
+            yield from (v for v in item.values() if isinstance(v, torch.Tensor))
+        elif isinstance(item, torch.Tensor):
+            yield item
+
+
 def prefetch_in_thread(
     batches: Iterable, stage: Callable, device: torch.device, depth: int = 2
 ) -> Iterator:
@@ -107,7 +116,7 @@ def prefetch_in_thread(
             staged, ready = item
             if ready is not None:
                 compute.wait_event(ready)
-                for t in staged:  # allocated on the side stream, used on the compute stream
+                for t in tensors_of(staged):  # made on the side stream, used on the compute one
                     t.record_stream(compute)
             yield staged
     finally:
@@ -131,7 +140,7 @@ def prefetch(batches: Iterable, stage: Callable, device: torch.device) -> Iterat
             yield staged
         staged = nxt
         compute.wait_stream(side)
-        for t in staged:  # allocated on the side stream, used on the compute stream
+        for t in tensors_of(staged):  # allocated on the side stream, used on the compute one
             t.record_stream(compute)
     if staged is not None:
         yield staged
