@@ -170,6 +170,28 @@ def test_a_divergence_stop_names_the_layer_without_being_asked(cfg_factory, tmp_
     assert "1.amplifier" in shown.stdout and "divergence stop" in shown.stdout
 
 
+def test_a_static_scale_that_overflows_every_step_stops_the_run(cfg_factory, tmp_path):
+    """scaler=static never backs off: where its scale overflows the gradients at every step,
+    each step is skipped and the run took batches for ever (no step counts). It stops after
+    debug.max_skipped_steps in a row, as a divergence (exit 3), naming what to change."""
+    cfg = cfg_factory(
+        "model.name=doctor_planted_backward",
+        *SMALL,
+        "precision=amp",
+        "scaler=static",
+        "scaler.init_scale=65536",
+        "batch=8",
+        "trainer.max_steps=6",
+        "trainer.log_every=1",
+        "debug.max_skipped_steps=4",
+    )
+    with pytest.raises(Diverged, match=r"skipped the last 4 steps in a row.*scaler.init_scale"):
+        run.run(cfg)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps"] == 0
+    assert summary["skipped_steps"] == 4
+
+
 def test_weights_already_broken_are_named_and_locate_catches_the_step_before(cfg_factory):
     """Without a scaler a non-finite loss still steps: by the divergence stop the weights are
     NaN and the stop can only say so; debug.locate=true examines the step before its update."""

@@ -21,7 +21,7 @@ from mixprec.run import session as run
 from mixprec.run.config import validate
 from mixprec.training import loop
 
-from conftest import ROOT, TINY_BERT, compose_cfg, last_weights, train_losses
+from conftest import ROOT, TINY_BERT, compose_cfg, last_weights, run_torchrun, train_losses
 
 PLUGINS = ROOT / "tests" / "plugins"
 SMALL = ["hardware=cpu", "logger=none", "trainer.log_every=1", "trainer.perf_warmup_steps=0"]
@@ -218,3 +218,24 @@ def test_collated_keyword_batches_train_on_the_gpu_with_workers_compiled(tmp_pat
     graphs = [*gpu, *TAGS, "model.cuda_graphs=true", "trainer.max_steps=2"]
     with pytest.raises(ConfigError, match="model.cuda_graphs=True.*keyword arguments"):
         run.run(compose_cfg(graphs, tmp_path / "graphs"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_collated_keyword_batches_train_under_torchrun(tmp_path, strategy):
+    """2 processes (gloo): each rank collates its own share of the ragged samples in its
+    workers and passes the dict by keyword; the run completes as one run of world 2 and its
+    validation counts every rank's real tokens (the accuracy is a fraction of them)."""
+    pytest.importorskip("transformers")
+    args = [str(ROOT / "train.py"), *SMALL, *TAGS, "trainer.max_steps=8", "ckpt.at_end=false"]
+    args += ["batch=16", "hardware.num_workers=1", f"parallel={strategy}"]
+    two = run_torchrun([*args, f"hydra.run.dir={tmp_path / 'two'}"])
+    assert two.returncode == 0, (two.stdout + two.stderr)[-4000:]
+    s = summary(tmp_path / "two")
+    assert (s["status"], s["world_size"], s["effective_batch"], s["task"]) == (
+        "completed",
+        2,
+        32,
+        "tag",
+    )
+    assert 0 < s["val_acc1"] <= 1 and s["val_loss"] > 0

@@ -329,6 +329,7 @@ class Session:
             reduce=p.dist.reduce,
             advice=p.learner.precision.on_divergence(),
             model=p.learner.model,
+            max_skipped=c.debug.max_skipped_steps,
         )
         hardware.reset_peak(p.device)
         stop = StopSignals(c.trainer.stop_grace_s, on_forced=self._forced)

@@ -161,12 +161,14 @@ class StepLedger:
         stepped = out.stepped  # the one wait for the GPU's answer
         state, plan, hooks = self.state, self.plan, self.hooks
         hooks.guard.update(out.loss)
+        hooks.guard.stepped(stepped)
         state.batch_in_epoch += plan.accum
         state.attempts += 1
         self.window_loss += out.loss
         self.window_steps += 1
         self.last = out
         hooks.meter.count(plan.samples_per_step)
+        state.skipped_steps += not stepped  # overflow: the scaler backed off; weights, LR stay
         if state.attempts % plan.log_every == 0:
             self._check(out)  # divergence: one sync per log_every attempts, skipped ones included
         if stepped:
@@ -176,8 +178,6 @@ class StepLedger:
             hooks.meter.maybe_end_warmup(state.step)
             if state.step % plan.log_every == 0:
                 self._log_row(out)
-        else:  # overflow: the scaler backed off; weights and LR stay put
-            state.skipped_steps += 1
         hooks.doctor.after_step(state.step + (not stepped), stepped)
         if not late:  # the next forward has not run: the model is this step's
             self._act_on(stepped)

@@ -31,6 +31,7 @@ class DebugConfig:
     detect_anomaly: bool = MISSING  # autograd anomaly mode: names the op that made a NaN (slow)
     max_bad_steps: int = MISSING  # stop after this many consecutive non-finite losses
     min_loss_scale: float = MISSING  # stop when the fp16 loss scale collapses below this
+    max_skipped_steps: int = MISSING  # stop after this many steps in a row GradScaler skipped
     locate: bool = False  # the doctor names the layer of the first overflowing steps (doctor.py)
     numerics: bool = False  # per-layer cast numerics on logged steps (diagnostics/numerics.py)
     memory: bool = False  # the peak's parts on step 3 (diagnostics/memory.py)
@@ -40,6 +41,9 @@ class DebugConfig:
         one_of("debug.dtype_plan", self.dtype_plan, ("check", "log", "off"))
         check(self.max_bad_steps >= 1, "debug.max_bad_steps", self.max_bad_steps, ">= 1")
         check(self.min_loss_scale > 0, "debug.min_loss_scale", self.min_loss_scale, "> 0")
+        check(
+            self.max_skipped_steps >= 1, "debug.max_skipped_steps", self.max_skipped_steps, ">= 1"
+        )
 
 
 def by_design(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -70,8 +74,10 @@ class DivergenceGuard:
     """Counts consecutive steps whose loss is non-finite, on the device (no sync per step).
 
     An fp16 *gradient* overflow with a finite loss is the GradScaler's business (it skips the step
-    and backs off); only a non-finite loss itself, or a scale below `min_scale`, counts here.
-    `check()` is called where the loop syncs anyway (log steps) and before every checkpoint.
+    and backs off); only a non-finite loss itself, a scale below `min_scale`, or `max_skipped`
+    steps skipped in a row (a static scale that overflows every step never backs off: the run
+    would take batches for ever) count here. `check()` is called where the loop syncs anyway
+    (log steps) and before every checkpoint.
     """
 
     def __init__(
@@ -82,14 +88,20 @@ class DivergenceGuard:
         reduce=lambda t, op="max": t,
         advice: str = "a lower optimizer.lr or trainer.clip_grad_norm=1.0",
         model: torch.nn.Module | None = None,
+        max_skipped: int = 100,
     ) -> None:
         self.bad = torch.zeros((), dtype=torch.int64, device=device)
+        self.max_skipped, self.skipped_in_a_row = max_skipped, 0
         self.max_bad_steps, self.min_scale, self.advice = max_bad_steps, min_scale, advice
         self.reduce = reduce  # DDP: every rank decides on the worst rank's count
         self.design = by_design(model) if model is not None else {}
 
     def update(self, loss: torch.Tensor) -> None:
         self.bad = torch.where(torch.isfinite(loss), 0, self.bad + 1)
+
+    def stepped(self, taken: bool) -> None:
+        """Whether GradScaler took the step just settled (every rank's answer is the same)."""
+        self.skipped_in_a_row = 0 if taken else self.skipped_in_a_row + 1
 
     def healthy(self, model: torch.nn.Module) -> bool:
         """The latest loss, every weight and every float buffer are finite (one sync): only then
@@ -106,6 +118,14 @@ class DivergenceGuard:
                 f"non-finite loss ({loss}) for {bad} steps in a row at step {step} "
                 f"(loss scale {scale}, lr {lr:.4g}). The weights are no longer usable. Try: "
                 f"{self.advice}. debug.detect_anomaly=true finds the op that produced it."
+            )
+        if self.skipped_in_a_row >= self.max_skipped:
+            raise Diverged(
+                f"GradScaler skipped the last {self.skipped_in_a_row} steps in a row at step "
+                f"{step} (loss {loss}, loss scale {scale}, lr {lr:.4g}): the fp16 gradients "
+                "overflow at this scale every step, and a static scale never backs off. Try: "
+                "a lower scaler.init_scale, scaler=dynamic, or precision=bf16 "
+                "(debug.max_skipped_steps sets how many in a row stop the run)."
             )
         if scale is not None and scale < self.min_scale:
             raise Diverged(
