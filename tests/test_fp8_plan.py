@@ -124,7 +124,7 @@ def shared_cast_timer(todo):
     return out
 
 
-def test_layers_that_read_one_input_are_timed_and_chosen_together(tmp_path, monkeypatch):
+def test_layers_that_read_one_input_are_timed_and_chosen_together(tmp_path):
     """q, k and v read the same tensor: one group, timed together. Alone, k and v would stay in
     bf16 (40 against 30 µs) while q goes float8; together the three take 60+40+40-30 = 110 µs
     in float8 against 160 in bf16, so all three go float8, each carrying a third of the group's
@@ -156,9 +156,8 @@ def test_layers_that_read_one_input_are_timed_and_chosen_together(tmp_path, monk
     alone = fp8_layers.measure(gemms, ["tensorwise"], 0.05, shared_cast_timer, key, cache)
     assert [n for n, c in alone.items() if c.choice != BF16] == ["q"]
     # through the plugin: a compiled run times the group, an eager one each layer alone
-    monkeypatch.setattr(fp8_timing, "time_in_child", lambda todo, *a: shared_cast_timer(todo))
     for compiled, in_fp8 in ((True, ["q", "k", "v"]), (False, ["q"])):
-        prec = auto_plugin()
+        prec = auto_plugin(shared_cast_timer)
         prec.prepare(precision.Context(example=lambda: torch.randn(16, 64), compiled=compiled))
         prec.convert(Attention())
         assert prec.converted == in_fp8
@@ -240,22 +239,17 @@ def test_the_children_compile_their_shares_at_once_and_time_them_one_after_anoth
     assert all(c.share is None for c in idle) and all(c.closed for c in FakeChild.started)
 
 
-def test_the_timing_process_starts_early_only_where_the_cache_lacks_this_gpu(monkeypatch, tmp_path):
+def test_the_timing_process_starts_early_only_where_the_cache_lacks_this_gpu(tmp_path):
     """warm_up (before the data and the model) starts the timing child for fp8_layers=auto on a
     GPU whose timings the cache has none of; convert() uses it and ends it, or ends it unused
     (a resumed plan). A cache with this GPU's timings, fp8_layers=all or the CPU: no child."""
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(fp8_timing, "Child", FakeChild)
-    monkeypatch.setattr(fp8_early, "spawn", lambda device, n, early=False: (device, 0.0))
-    monkeypatch.setattr(fp8_early, "processes", lambda: 2)
-    monkeypatch.setattr(fp8_layers, "machine", lambda d: "H200|torch 2.11|torchao 0.18")
     cache = tmp_path / "plan.json"
     FakeChild.started = []
     prec = auto_plugin(fp8_plan_cache=str(cache))
     prec.warm_up(cuda, True)
     assert len(FakeChild.started) == 2 and not any(c.closed for c in FakeChild.started)
     prec.prepare(precision.Context(example=lambda: torch.randn(4, 64)))
-    monkeypatch.setattr(fp8_layers, "cache_key", lambda g, r, c, d: f"H200|x|{g}|{r}")
     prec.convert(Net())
     assert all(c.closed for c in FakeChild.started) and prec.children == [] and prec.timed > 0
     assert all(c.share for c in FakeChild.started)  # both took a share
@@ -292,18 +286,17 @@ def test_a_timing_child_that_is_not_needed_ends_with_its_process_group():
     assert proc.returncode is not None
 
 
-def test_train_py_starts_timing_processes_only_where_a_plan_will_time_layers(monkeypatch, tmp_path):
+def test_train_py_starts_timing_processes_only_where_a_plan_will_time_layers(tmp_path):
     """fp8_early.wanted, on train.py's command line before anything is imported: fp8_auto (or
     fp8_layers=auto) with no timings in the named plan cache, a GPU node, not a sweep, a help or
     a config print, and the switch not off."""
     gpu = tmp_path / "nvidiactl"
     gpu.touch()
-    monkeypatch.setattr(fp8_early, "GPU_NODES", (gpu,))
     cached, empty = tmp_path / "plan.json", f"precision.fp8_plan_cache={tmp_path / 'none.json'}"
     cached.write_text(json.dumps({"H200|x|16x64x256|bf16|x": 1.0}))
 
     def wanted(*argv, **environ):
-        return fp8_early.wanted(list(argv), environ)
+        return fp8_early.wanted(list(argv), environ, nodes=(gpu,))
 
     assert wanted("precision=fp8_auto", empty) and wanted("precision.fp8_layers=auto", empty)
     assert wanted("+precision.fp8_layers=auto", empty, "model=vit_base")
@@ -350,22 +343,21 @@ def test_the_plan_claims_the_early_processes_of_its_gpu_and_the_builder_ends_the
     monkeypatch.setattr(fp8_early, "processes", lambda: 2)
     monkeypatch.setattr(fp8_early, "_early", [])  # none left to the process's end
     monkeypatch.setattr(fp8_timing, "Child", FakeChild)
-    monkeypatch.setattr(fp8_layers, "machine", lambda d: "H200|torch 2.11|torchao 0.18")
     argv = ["precision=fp8_auto", "precision.fp8_plan_cache=null"]
     fp8_early.start(argv)
     assert [p.device for p in spawned] == ["cuda:0", "cuda:0"]
-    prec = auto_plugin()
+    prec = auto_plugin(timing=NamedGPU())
     prec.warm_up(torch.device("cuda", 0), True)
     assert [c.proc for c in prec.children] == spawned and prec.children_t0 == 101.0
     assert len(spawned) == 2 and not ended
     fp8_early.start(argv)  # 3, 4: one found no GPU and ended
     spawned[2].code = 0
-    prec = auto_plugin()
+    prec = auto_plugin(timing=NamedGPU())
     prec.warm_up(torch.device("cuda", 0), True)
     assert [c.proc for c in prec.children] == [spawned[3]] and ended == [spawned[2]]
     monkeypatch.setenv("LOCAL_RANK", "1")
     fp8_early.start(argv)  # 5, 6 for GPU 1; the plan is on GPU 0: ended, 7 and 8 started
-    prec = auto_plugin()
+    prec = auto_plugin(timing=NamedGPU())
     prec.warm_up(torch.device("cuda", 0), True)
     assert ended[1:] == spawned[4:6] and [c.proc for c in prec.children] == spawned[6:]
     assert [p.device for p in spawned[4:]] == ["cuda:1", "cuda:1", "cuda:0", "cuda:0"]
@@ -391,19 +383,48 @@ def test_a_timing_process_started_early_on_a_machine_without_that_gpu_ends_quiet
     assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
 
 
-def auto_plugin(**keys):
-    return precision.build(
+class FakeGPU(fp8_timing.Timing):
+    """The plugin's timing source (Plugin.timing) as a GPU that is not here: a machine name,
+    FakeChild processes that follow Child's protocol in-process, and `timer` (microseconds for
+    each (shapes, recipe)) in place of the child processes' timings, where one is given."""
+
+    def __init__(self, timer=None, name: str = "H200|torch 2.11|torchao 0.18") -> None:
+        self.timer, self.name = timer, name
+
+    def machine(self, device) -> str:
+        return self.name
+
+    def start(self, device) -> list:
+        return [FakeChild(), FakeChild()]
+
+    def time(self, todo, compiled, device, children) -> list:
+        if self.timer is None:  # the children's protocol: shares dealt, compiled, then timed
+            return super().time(todo, compiled, device, children)
+        return self.timer(todo)
+
+
+def auto_plugin(timer=None, timing=None, **keys):
+    prec = precision.build(
         group("precision", "fp8_auto", **{"fp8_plan_cache": None, **keys}),
         group("scaler"),
         torch.device("cpu"),
         check_device=False,
     )
+    prec.timing = timing or FakeGPU(timer)
+    return prec
 
 
-def test_the_plan_converts_each_layer_to_its_recipe_and_a_resume_keeps_it(monkeypatch):
+class NamedGPU(fp8_timing.Timing):
+    """The real timing source (its processes: train.py's early ones, claimed), on a GPU named
+    as the tests' caches name it."""
+
+    def machine(self, device) -> str:
+        return "H200|torch 2.11|torchao 0.18"
+
+
+def test_the_plan_converts_each_layer_to_its_recipe_and_a_resume_keeps_it():
     calls: list = []
-    monkeypatch.setattr(fp8_timing, "time_in_child", lambda todo, *a: fake_timer(calls)(todo))
-    prec = auto_plugin()
+    prec = auto_plugin(fake_timer(calls))
     prec.prepare(precision.Context(example=lambda: torch.randn(4, 64)))
     model = prec.convert(Net())
     assert type(model.wide1).__name__ == "Float8Linear" and type(model.narrow) is nn.Linear
@@ -416,12 +437,12 @@ def test_the_plan_converts_each_layer_to_its_recipe_and_a_resume_keeps_it(monkey
     assert (summary["float8_layers"], summary["layers"]) == (2, 3)
     # a resume: the saved plan, nothing timed
     calls.clear()
-    resumed = auto_plugin()
+    resumed = auto_plugin(fake_timer(calls))
     resumed.prepare(precision.Context(example=lambda: torch.randn(4, 64), saved_plan=saved))
     model = resumed.convert(Net())
     assert calls == [] and resumed.converted == ["wide1", "wide2"] and resumed.plan() == saved
     # rowwise as the only candidate: the chosen layers get torchao's rowwise config
-    rowwise = auto_plugin(fp8_candidates="[rowwise]")
+    rowwise = auto_plugin(fake_timer(calls), fp8_candidates="[rowwise]")
     rowwise.prepare(precision.Context(example=lambda: torch.randn(4, 64)))
     model = rowwise.convert(Net())
     cfg = model.wide1.config
@@ -431,21 +452,20 @@ def test_the_plan_converts_each_layer_to_its_recipe_and_a_resume_keeps_it(monkey
     )
 
 
-def test_a_plan_that_keeps_every_layer_in_bf16_trains_bf16s_model(monkeypatch):
+def test_a_plan_that_keeps_every_layer_in_bf16_trains_bf16s_model():
     """Where float8 pays on no layer (ConvNeXt-T, the ViTs at batch 128), fp8_auto must cost
     nothing: the same module objects and types, no hook left behind by the shape forward, the
     same weights and the same outputs and gradients as the model it was given."""
     bf16_wins = lambda todo: [  # noqa: E731
         sum(100.0 if recipe == BF16 else 150.0 for _ in shapes) for shapes, recipe in todo
     ]
-    monkeypatch.setattr(fp8_timing, "time_in_child", lambda todo, *a: bf16_wins(todo))
     torch.manual_seed(0)
     net, x = Net(), torch.randn(4, 64)
     before = {n: (type(m), m) for n, m in net.named_modules()}
     weights = {k: v.clone() for k, v in net.state_dict().items()}
     reference = Net()
     reference.load_state_dict(weights)
-    prec = auto_plugin()
+    prec = auto_plugin(bf16_wins)
     prec.prepare(precision.Context(example=lambda: x))
     model = prec.convert(net)
     assert model is net and prec.converted == [] and prec.owned() == {}
@@ -461,12 +481,11 @@ def test_a_plan_that_keeps_every_layer_in_bf16_trains_bf16s_model(monkeypatch):
     )
 
 
-def test_without_a_micro_batch_every_eligible_layer_is_float8(monkeypatch):
+def test_without_a_micro_batch_every_eligible_layer_is_float8():
     """batch=auto's probes and the dtype audit give no micro-batch: nothing is timed, and every
     eligible layer takes fp8_recipe (the upper bound of float8's share)."""
     never = lambda *a: pytest.fail("timed without a batch")  # noqa: E731
-    monkeypatch.setattr(fp8_timing, "time_in_child", never)
-    prec = auto_plugin()
+    prec = auto_plugin(never)
     prec.prepare(precision.Context())
     prec.convert(Net())
     assert prec.converted == ["wide1", "wide2", "narrow"] and prec.plan() is None

@@ -208,13 +208,16 @@ def test_the_python_entry_takes_a_loss_function(tmp_path):
 @pytest.mark.gpu
 def test_collated_keyword_batches_train_on_the_gpu_with_workers_compiled(tmp_path):
     """On a GPU profile (DataLoader workers, pinned memory): the collator's dict batches reach
-    the device entry by entry, compiled and in bf16 the tagger learns; model.cuda_graphs with
-    inputs by keyword is refused, naming the key."""
+    the device entry by entry, compiled and in bf16 the tagger learns; batch=auto's probes
+    take keyword inputs; model.cuda_graphs with inputs by keyword is refused, naming the key."""
     pytest.importorskip("transformers")
     gpu = ["hardware=auto", "logger=none", "trainer.log_every=10", "trainer.perf_warmup_steps=2"]
     over = [*gpu, *TAGS, "precision=bf16", "model.compile=true", "trainer.max_steps=60"]
     s = run.run(compose_cfg(over, tmp_path / "compiled"))
     assert s["status"] == "completed" and s["val_acc1"] > 0.9, s
+    auto = [*gpu, *TAGS, "precision=bf16", "batch=auto", "trainer.max_steps=4"]
+    searched = run.run(compose_cfg(auto, tmp_path / "auto"))  # probes with keyword inputs
+    assert searched["status"] == "completed" and searched["batch"] >= 8, searched
     graphs = [*gpu, *TAGS, "model.cuda_graphs=true", "trainer.max_steps=2"]
     with pytest.raises(ConfigError, match="model.cuda_graphs=True.*keyword arguments"):
         run.run(compose_cfg(graphs, tmp_path / "graphs"))

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 from omegaconf import MISSING
@@ -77,6 +77,7 @@ class Plugin(Precision):
     timed: int = 0  # GEMM timings it measured (0: every one came from the cache)
     children: list = field(default_factory=list)  # the timing processes, started by warm_up
     children_t0: float | None = None  # when they were started (time.time())
+    timing: Any = field(default_factory=lambda: fp8_timing.Timing())  # where timings come from
 
     def check_device(self, device: torch.device) -> None:
         """A GPU with float8 tensor cores, and torchao installed; else a config error."""
@@ -106,11 +107,11 @@ class Plugin(Precision):
         being built (a cache with this GPU's timings: most likely every one cached, no child)."""
         if self.cfg.fp8_layers != "auto" or device.type != "cuda":
             return
-        here = fp8_layers.machine(device) + "|"
+        here = self.timing.machine(device) + "|"
         if not any(
             k.startswith(here) for k in fp8_layers.TimingCache(self.cfg.fp8_plan_cache).data
         ):
-            self.children = fp8_timing.start_children(device)
+            self.children = self.timing.start(device)
             self.children_t0 = min(c.t0 for c in self.children)
 
     def convert(self, model: nn.Module) -> nn.Module:
@@ -175,14 +176,15 @@ class Plugin(Precision):
         groups: list | None = [] if ctx.compiled else None
         gemms = fp8_layers.layer_gemms(model, ctx.example(), self.autocast, names, groups)
         started, since = time.perf_counter(), time.time()
+        here = self.timing.machine(device)
         cache = fp8_layers.TimingCache(cfg.fp8_plan_cache)
         known = len(cache.data)
         choices = fp8_layers.measure(
             gemms,
             list(cfg.fp8_candidates),
             cfg.fp8_margin,
-            timer=lambda todo: fp8_timing.time_in_child(todo, ctx.compiled, device, self.children),
-            key=lambda g, r: fp8_layers.cache_key(g, r, ctx.compiled, device),
+            timer=lambda todo: self.timing.time(todo, ctx.compiled, device, self.children),
+            key=lambda g, r: fp8_layers.cache_key(g, r, ctx.compiled, device, here),
             cache=cache,
             groups=groups or (),
         )

@@ -74,9 +74,11 @@ def end(proc: subprocess.Popen) -> None:
             stream.close()
 
 
-def wanted(argv: list[str], environ: dict | None = None) -> bool:
-    """Whether this command line asks for a plan that will time layers on a GPU here."""
+def wanted(argv: list[str], environ: dict | None = None, nodes=None) -> bool:
+    """Whether this command line asks for a plan that will time layers on a GPU here (`nodes`:
+    the device files whose presence says NVIDIA's driver is loaded: GPU_NODES)."""
     environ = os.environ if environ is None else environ
+    nodes = GPU_NODES if nodes is None else nodes
     if environ.get(SWITCH, "1") == "0" or any(a in NOT_A_RUN for a in argv):
         return False
     if not any(a.lstrip("+") in AUTO for a in argv):
@@ -84,7 +86,7 @@ def wanted(argv: list[str], environ: dict | None = None) -> bool:
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return False
-    if not any(node.exists() for node in GPU_NODES):
+    if not any(node.exists() for node in nodes):
         return False
     cache = DEFAULT_CACHE
     for a in argv:

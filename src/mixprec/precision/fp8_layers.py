@@ -174,13 +174,16 @@ def _timing(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
-def cache_key(gemms, recipe: str, compiled: bool, device: torch.device) -> str:
-    """The GPU, torch, torchao, the shape (a Gemm, or the Gemms of Linears that read one input),
-    the recipe and how it was timed: what a timing depends on."""
+def cache_key(
+    gemms, recipe: str, compiled: bool, device: torch.device, here: str | None = None
+) -> str:
+    """The GPU, torch, torchao (`here`: machine(device) unless given), the shape (a Gemm, or the
+    Gemms of Linears that read one input), the recipe and how it was timed: what a timing
+    depends on."""
     gemms = (gemms,) if isinstance(gemms, Gemm) else tuple(gemms)
     shape = "&".join(g.key() for g in gemms)
     how = ("compiled-static" if compiled else "eager") + "+cudagraph"  # how it was timed
-    return f"{machine(device)}|{shape}|{recipe}|{how}"
+    return f"{here or machine(device)}|{shape}|{recipe}|{how}"
 
 
 def machine(device: torch.device) -> str:

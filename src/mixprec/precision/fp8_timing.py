@@ -34,7 +34,7 @@ from torch import nn
 
 from mixprec.core.errors import MixprecError
 from mixprec.internals import torch_private
-from mixprec.precision import fp8_early
+from mixprec.precision import fp8_early, fp8_layers
 from mixprec.precision.fp8_layers import BF16, Gemm
 
 log = logging.getLogger(__name__)
@@ -200,6 +200,24 @@ def start_children(device: torch.device, n: int | None = None) -> list[Child]:
         return [Child(proc, t0) for proc, t0 in early]
     n = n or fp8_early.processes()
     return [Child(*fp8_early.spawn(str(device), n)) for _ in range(n)]
+
+
+class Timing:
+    """Where fp8_auto's layer timings come from (the plugin's `timing`): child processes on the
+    run's GPU, which compile and time each shape (the functions of this module). Another object
+    answering these three is another source: tests give the plugin a fake GPU this way."""
+
+    def machine(self, device: torch.device) -> str:
+        """The GPU, torch and torchao: what the timing cache's keys start with."""
+        return fp8_layers.machine(device)
+
+    def start(self, device: torch.device) -> list:
+        """The timing processes, started (or claimed from train.py's early start) now."""
+        return start_children(device)
+
+    def time(self, todo: list, compiled: bool, device: torch.device, children: list) -> list:
+        """Microseconds for each (shapes, recipe) of `todo`, in its order."""
+        return time_in_child(todo, compiled, device, children)
 
 
 def deal(todo: list, n: int) -> list[list[int]]:
