@@ -209,6 +209,8 @@ class Keyworded:
         self.inner, self.key, self.extras = inner, key, extras
 
     def __getattr__(self, name: str):
+        if name == "inner" or name.startswith("__"):  # (copy and pickle probe before __init__)
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def __repr__(self) -> str:

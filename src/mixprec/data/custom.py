@@ -266,16 +266,26 @@ def _load(target: str, path: str | None, kwargs_json: str, keys: tuple = (None, 
     n = int(vocab if lm else classes)
     main = found.main if found and found.by_keyword else None
     shape, kind = _check_sample(target, "train", sample, lm, n, tokens, main)
-    if (
-        _check_sample(target, "val", val_sample, lm, n, tokens, main) != (shape, kind)
-        and collate is None
-    ):
+    val_shape, val_kind = _check_sample(target, "val", val_sample, lm, n, tokens, main)
+    if val_kind != kind or (val_shape != shape and collate is None):  # (a collator pads)
         raise ConfigError(f"{key}={target!r}: train and val samples differ in shape")
-    extras = None
-    if main is not None:
-        extras = {k: torch.as_tensor(v) for k, v in sample[0].items() if k != main}
+    extras = None if main is None else _extras(sample[0], main)
     wrapped = Collated(collate, found) if collate is not None else None
     return Loaded(train, val, n, shape, kind, tokens, wrapped, found, extras)
+
+
+def _extras(inputs: Mapping, main: str) -> dict:
+    """The first sample's keyword inputs beside `main`, as tensors: what example inputs repeat.
+    An entry that is no tensor (a string, an id list of ragged length) is left out of them."""
+    out = {}
+    for k, v in inputs.items():
+        if k == main:
+            continue
+        try:
+            out[k] = torch.as_tensor(v)
+        except (TypeError, ValueError, RuntimeError):
+            continue
+    return out
 
 
 def _check_sample(

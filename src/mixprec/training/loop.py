@@ -38,7 +38,7 @@ class Learner:
     loss_fn: Callable | None = None  # model.loss=pkg.mod:fn: the user's loss of the logits
 
     @property
-    def tasks_loss(self) -> bool:
+    def uses_task_loss(self) -> bool:
         """Whether the loss is the task's (what perplexity and bits per byte are derived from)."""
         return not self.own_loss and self.loss_fn is None
 
@@ -183,7 +183,7 @@ def evaluate(
     val = {key: total / n for key, total in zip(["val/loss", *(m.key for m in extra)], totals)}
     if n_a and n_b:  # |A - B| / 2 estimates the whole set's standard error (two equal halves)
         val["val/loss_noise"] = abs(a / n_a - b / n_b) / 2
-    return {**val, **(learner.task.derived(val) if learner.tasks_loss else {})}
+    return {**val, **(learner.task.derived(val) if learner.uses_task_loss else {})}
 
 
 def forward(learner: Learner, x, y, model: nn.Module | None = None) -> tuple:
