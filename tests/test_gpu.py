@@ -684,7 +684,7 @@ def test_children_that_compile_at_once_time_as_one_child_alone_does():
     shapes += [Gemm(8192, 14336, 4096, False)]
     todo = [((g,), r) for g in shapes for r in (BF16, "tensorwise", "rowwise")]
     alone = time_in_child(todo, True, dev)
-    together = time_in_child(todo, True, dev, start_children(dev, True, 3))
+    together = time_in_child(todo, True, dev, start_children(dev, 3))
     ratios = [b / a for a, b in zip(alone, together)]
     assert all(0.85 < r < 1.18 for r in ratios), list(zip(alone, together))
 

@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -260,14 +261,18 @@ def probe_with(
         x, y = inputs(b)
         # training holds a second input batch too (the prefetched next one, or synthetic
         # data's validation batch): a probe without it finds a batch that OOMs in training
-        second = torch.empty_like(x)  # noqa: F841
+        second = (  # noqa: F841  (an input as keyword arguments: each of its tensors)
+            {k: torch.empty_like(v) for k, v in x.items()}
+            if isinstance(x, Mapping)
+            else torch.empty_like(x)
+        )
         stepped = 0
         for _ in range(3 * steps):  # skipped fp16 steps allocate no optimizer state
             stepped += loop.train_step(learner, [(x, y)], clip_grad_norm).stepped
             if stepped >= steps:
                 break
-        torch.cuda.synchronize(x.device)
-        return torch.cuda.max_memory_allocated(x.device)
+        torch.cuda.synchronize(y.device)
+        return torch.cuda.max_memory_allocated(y.device)
 
     return probe
 
