@@ -233,21 +233,33 @@ def threads_as_here(env: dict) -> dict:
 
 
 def start_train(
-    args: list[str], cwd: Path = ROOT, env_extra: dict | None = None, merge: bool = False
+    args: list[str],
+    cwd: Path = ROOT,
+    env_extra: dict | None = None,
+    merge: bool = False,
+    forked: bool = True,
 ) -> subprocess.Popen:
     """`python train.py ARGS` started and not waited for (W&B offline and without credentials,
-    forked from the zygote): completed() waits for it, as run_train does. `merge`: stderr into
-    stdout."""
+    forked from the zygote unless `forked` is false): completed() waits for it, as run_train
+    does. `merge`: stderr into stdout."""
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env_extra or {})})
     cmd = [sys.executable, str(ROOT / "train.py"), *args]
-    return start_session(cmd, cwd, env, merge=merge, forked=True)
+    return start_session(cmd, cwd, env, merge=merge, forked=forked)
 
 
 def run_train(
     args: list[str], cwd: Path = ROOT, env_extra: dict | None = None, timeout: int = 600
 ) -> subprocess.CompletedProcess:
     return completed(start_train(args, cwd, env_extra), timeout)
+
+
+def run_train_fresh(
+    args: list[str], env_extra: dict | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """train.py in a fresh interpreter, as users start it: what a test of its first lines
+    needs (the zygote's process has torch imported already)."""
+    return completed(start_train(args, ROOT, env_extra, forked=False), timeout)
 
 
 FAMILY = "MIXPREC_TEST_RUN"  # start_session's mark: every process a test run started has it

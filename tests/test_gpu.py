@@ -4,10 +4,7 @@ on tensor cores). Skipped without CUDA; run on the GPU machine with `make test-g
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,7 @@ from mixprec.core import hardware, process
 from mixprec.core.errors import ConfigError, OutOfMemory
 from mixprec.run import session as run
 
-from conftest import ROOT, compose_cfg, group
+from conftest import compose_cfg, group, run_train_fresh
 
 pytestmark = pytest.mark.gpu
 GPU_SMALL = [
@@ -549,17 +546,9 @@ def test_train_py_starts_the_plans_timing_processes_on_its_first_lines(tmp_path)
     before = {}
     for early in ("1", "0"):
         d = tmp_path / early
-        env = {**os.environ, "MIXPREC_FP8_EARLY": early, "WANDB_MODE": "offline"}
         args = [*LM_GPU, "precision=fp8_auto", "trainer.max_steps=3", f"hydra.run.dir={d}"]
         args.append(f"precision.fp8_plan_cache={tmp_path / f'plan{early}.json'}")
-        proc = subprocess.run(
-            [sys.executable, str(ROOT / "train.py"), *args],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        proc = run_train_fresh(args, {"MIXPREC_FP8_EARLY": early})
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-3000:]
         found = re.search(r"its timing processes started ([0-9.]+)s before", out)

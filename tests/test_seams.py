@@ -26,7 +26,7 @@ from mixprec.run import session as run
 from mixprec.run.config import validate
 from mixprec.training import loop
 
-from conftest import ROOT, compose_cfg, group, run_train
+from conftest import ROOT, compose_cfg, group, run_train, run_train_fresh
 
 PLUGINS = ROOT / "tests" / "plugins"
 QUICK = ["trainer.max_steps=12", "trainer.log_every=4", "trainer.perf_warmup_steps=1"]
@@ -48,23 +48,13 @@ def test_a_precisions_early_module_starts_before_torch_and_is_released(tmp_path)
     imported, with the command line, and released once the build is past the warm-up; a
     precision that names none starts nothing. train.py as users start it (not the zygote,
     which has torch imported)."""
-    import subprocess
-    import sys
-
     probe = tmp_path / "probe.jsonl"
-    env = {**os.environ, "EARLY_PROBE": str(probe), "WANDB_MODE": "disabled"}
+    env = {"EARLY_PROBE": str(probe)}
     env["PYTHONPATH"] = os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])
     for option in ("early_probe", "bf16"):
         args = [f"hydra.searchpath=[file://{PLUGINS / 'conf'}]", f"precision={option}"]
         args += ["trainer.max_steps=2", "logger=none", f"hydra.run.dir={tmp_path / option}"]
-        proc = subprocess.run(
-            [sys.executable, str(ROOT / "train.py"), *args],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        proc = run_train_fresh(args, env, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         if option == "bf16":
             assert not probe.exists()
