@@ -20,7 +20,7 @@ from pathlib import Path
 from mixprec.core import targets
 from mixprec.core.errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parents[3] / "conf"  # the repository's conf/ (run/config.py)
+CONF_DIR = Path(__file__).resolve().parents[3] / "conf"  # the repository's conf/ (pip install -e)
 _started: list = []  # the early modules start() started, for release()
 
 
@@ -54,11 +54,13 @@ def declared(name: str, conf_dirs: list[Path] | None = None) -> str | None:
     todo = [name]
     while todo:
         option = todo.pop(0)
-        found = [d / "precision" / f"{option}.yaml" for d in conf_dirs or [CONF_DIR]]
-        path = next((p for p in found if p.is_file()), None)
-        if option in seen or path is None:
+        if option in seen:
             continue
         seen.add(option)
+        found = [d / "precision" / f"{option}.yaml" for d in conf_dirs or [CONF_DIR]]
+        path = next((p for p in found if p.is_file()), None)
+        if path is None:
+            continue
         node = yaml.safe_load(path.read_text()) or {}
         if node.get("early"):
             return str(node["early"])

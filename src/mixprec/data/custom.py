@@ -134,17 +134,18 @@ def _keys(where: str, sample: Mapping, cfg_keys: tuple) -> Keys:
         absent = [k for k in given_in if k not in sample]
         if absent:
             _missing(where, sample, "input_key", list(given_in), f"names {absent}, not among them")
-    elif given_in != EVERY:
-        name = _named(where, sample, "input_key", given_in, INPUT_KEYS)
+        inputs, main = given_in, given_in[0]
+    elif given_in == EVERY:
+        inputs, main = EVERY, None  # (known once the target is)
+    else:
+        inputs = main = _named(where, sample, "input_key", given_in, INPUT_KEYS)
     target = _named(where, sample, "target_key", given_target, TARGET_KEYS)
-    if isinstance(given_in, tuple):
-        return Keys(given_in, target, given_in[0])
-    if given_in != EVERY:
-        return Keys(name, target, name)
-    rest = [k for k in sample if k != target]
-    if not rest:
-        _missing(where, sample, "input_key", given_in, "leaves no entry beside the target")
-    return Keys(EVERY, target, next((k for k in INPUT_KEYS if k in rest), rest[0]))
+    if main is None:
+        rest = [k for k in sample if k != target]
+        if not rest:
+            _missing(where, sample, "input_key", given_in, "leaves no entry beside the target")
+        main = next((k for k in INPUT_KEYS if k in rest), rest[0])
+    return Keys(inputs, target, main)
 
 
 def _named(where: str, sample: Mapping, key: str, given: str | None, usual: tuple) -> str:
@@ -226,8 +227,8 @@ class Loaded:
     kind: str  # classify, lm, seq (token ids, a label) or tag (a label per token)
     vocab: int | None = None  # token ids in (seq, tag): their vocabulary
     collate: Any = None  # the dataset's own collate_fn (wrapped: its batch read as a pair)
-    keys: Keys | None = None  # where a dict sample's pair is
-    extras: dict | None = None  # by keyword: the first sample's other entries (probes' inputs)
+    main: str | None = None  # inputs by keyword: the entry that is the input (its shape)
+    extras: dict | None = None  # ... and the first sample's other entries (probes' inputs)
 
 
 def _field(obj: Any, key: str) -> Any:
@@ -271,7 +272,7 @@ def _load(target: str, path: str | None, kwargs_json: str, keys: tuple = (None, 
         raise ConfigError(f"{key}={target!r}: train and val samples differ in shape")
     extras = None if main is None else _extras(sample[0], main)
     wrapped = Collated(collate, found) if collate is not None else None
-    return Loaded(train, val, n, shape, kind, tokens, wrapped, found, extras)
+    return Loaded(train, val, n, shape, kind, tokens, wrapped, main, extras)
 
 
 def _extras(inputs: Mapping, main: str) -> dict:
@@ -356,14 +357,13 @@ def spec(cfg: Config) -> tuple[int, tuple[int, ...]]:
 
 def task(cfg: Config):
     got = load(cfg)
-    kinds = {
-        "lm": LanguageModel,
-        "classify": lambda: CLASSIFY,
-        "seq": lambda: ClassifyTokens(vocab=got.vocab),
-        "tag": lambda: TagTokens(vocab=got.vocab),
-    }
-    inner = kinds[got.kind]()
-    return Keyworded(inner, got.keys.main, got.extras) if got.extras is not None else inner
+    inner = {
+        "lm": LanguageModel(),
+        "classify": CLASSIFY,
+        "seq": ClassifyTokens(vocab=got.vocab),
+        "tag": TagTokens(vocab=got.vocab),
+    }[got.kind]
+    return inner if got.main is None else Keyworded(inner, got.main, got.extras)
 
 
 def build(cfg: Config, ctx: Context) -> Data:

@@ -77,7 +77,7 @@ class Plugin(Precision):
     timed: int = 0  # GEMM timings it measured (0: every one came from the cache)
     children: list = field(default_factory=list)  # the timing processes, started by warm_up
     children_t0: float | None = None  # when they were started (time.time())
-    timing: Any = field(default_factory=lambda: fp8_timing.Timing())  # where timings come from
+    timing: Any = field(default_factory=fp8_timing.Timing)  # where timings come from
 
     def check_device(self, device: torch.device) -> None:
         """A GPU with float8 tensor cores, and torchao installed; else a config error."""

@@ -16,7 +16,6 @@ import copy
 import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 from hydra import compose, initialize_config_dir
@@ -29,6 +28,7 @@ from mixprec import data as datasets
 from mixprec import sinks
 from mixprec.checkpoint.store import CkptConfig
 from mixprec.core import metrics
+from mixprec.core.early import CONF_DIR
 from mixprec.core.errors import ConfigError, check, nearest, one_of
 from mixprec.core.hardware import HardwareConfig, Profiles
 from mixprec.models import ModelConfig
@@ -40,8 +40,6 @@ from mixprec.report.quality import StudyConfig
 from mixprec.training.batch_size import BatchSearchConfig
 from mixprec.training.perf import MIN_TIMED_STEPS
 from mixprec.training.safety import DebugConfig
-
-CONF_DIR = Path(__file__).resolve().parents[3] / "conf"  # the repository's conf/ (pip install -e)
 
 
 @dataclass
