@@ -63,7 +63,7 @@ def test_groups_have_the_required_options():
     assert {"fp32", "tf32", "amp", "amp_accum", "bf16", "fp8"} <= set(group_options("precision"))
     assert {"dynamic", "conservative", "static", "off"} <= set(group_options("scaler"))
     assert {"sgd", "adamw"} <= set(group_options("optimizer"))
-    assert {"cosine", "step", "onecycle", "constant"} <= set(group_options("scheduler"))
+    assert {"cosine", "step", "onecycle", "constant", "wsd"} <= set(group_options("scheduler"))
     assert {"auto", "cpu", "rtx3090", "a100", "h100", "h200"} <= set(group_options("hardware"))
     assert {"wandb", "none"} <= set(group_options("logger"))
 
@@ -121,6 +121,7 @@ def test_scaler_presets_follow_the_seeds():
         # stated range excludes (issue 26)
         ("scheduler=onecycle scheduler.pct_start=1.0", "scheduler.pct_start"),
         ("scheduler=onecycle scheduler.pct_start=0", "scheduler.pct_start"),
+        ("scheduler=wsd scheduler.decay_fraction=0", "scheduler.decay_fraction"),
         ("scheduler=step scheduler.gamma=0", "scheduler.gamma"),
         ("scheduler.warmup_fraction=1", "scheduler.warmup_fraction"),
         ("scaler.init_scale=1e39", "scaler.init_scale"),

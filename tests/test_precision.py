@@ -4,6 +4,7 @@ moves), static scales stay put, bf16 tracks fp32, clipping acts on true gradient
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 
 import pytest
@@ -284,6 +285,22 @@ def test_schedules_warm_up_and_decay():
     assert opt.param_groups[0]["lr"] == pytest.approx(0.25)
 
 
+def test_wsd_holds_the_full_lr_until_its_decay_then_falls_linearly_to_its_floor():
+    """scheduler=wsd over 24 steps: 4 of warm-up, then of the 20 left the last quarter (5)
+    decays linearly to 0.1 x lr; steps 4-19 are at the full lr."""
+    opt = torch.optim.SGD(mlp().parameters(), lr=2.0)
+    scfg = group("scheduler", "wsd", warmup_steps=4, decay_fraction=0.25, min_lr_ratio=0.1)
+    sch = optim.build_scheduler(scfg, opt, total_steps=24)
+    lrs = [opt.param_groups[0]["lr"]]
+    for _ in range(24):
+        opt.step()
+        sch.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs[2] < lrs[4] == pytest.approx(2.0)
+    assert all(v == pytest.approx(2.0) for v in lrs[4:20])
+    assert lrs[22] == pytest.approx(2.0 * (1 - 0.9 * 3 / 5)) and lrs[24] == pytest.approx(0.2)
+
+
 def test_optimizer_skips_weight_decay_on_norms_and_biases():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     opt = optim.build_optimizer(group("optimizer", "sgd", weight_decay=0.1), model, 0.1, CPU)
@@ -473,3 +490,26 @@ def test_each_precision_sets_the_tf32_switches(name, tf32):
     else:
         assert torch.backends.cuda.matmul.allow_tf32 is tf32
         assert torch.backends.cudnn.allow_tf32 is tf32
+
+
+def test_trainer_deterministic_switches_torchs_algorithms_on_for_its_run_and_off_after(
+    monkeypatch,
+):
+    """trainer.deterministic=true: torch's deterministic algorithms and cuBLAS's fixed
+    workspace for the run; the next run in the process without it gets torch's default back."""
+    from mixprec.core import process
+    from mixprec.run import build
+    from mixprec.run.config import validate
+
+    from conftest import compose_cfg
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        for on in (True, False):
+            c = validate(compose_cfg([f"trainer.deterministic={str(on).lower()}"]))
+            settings = build.process_settings(c, build.resolve_hardware(c))
+            process.apply(settings, torch.device("cpu"))
+            assert torch.are_deterministic_algorithms_enabled() is on
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)

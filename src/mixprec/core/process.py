@@ -7,6 +7,7 @@ training and a second run in the same process starts from its own settings."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ class Settings:
     recompile_limit: int | None  # dynamo's recompile limit (compile_scope=blocks needs more)
     detect_anomaly: bool  # autograd anomaly mode (debug.detect_anomaly)
     cpu_fp16: bool = False  # float16 autocast on a CPU: oneDNN off for the run (below)
+    deterministic: bool = False  # trainer.deterministic (set_deterministic)
 
 
 class _EnumConstantNotice(logging.Filter):
@@ -49,21 +51,42 @@ def quiet_known_noise() -> None:
 def apply(s: Settings, device: torch.device) -> None:
     set_tf32(s.tf32)
     torch.autograd.set_detect_anomaly(s.detect_anomaly)
+    set_deterministic(s.deterministic)
     if s.recompile_limit is not None:
         torch_private.raise_recompile_limit(s.recompile_limit)
     if device.type != "cuda":
         set_onednn(not s.cpu_fp16)
         return
-    torch.backends.cudnn.benchmark = s.cudnn_benchmark
+    torch.backends.cudnn.benchmark = s.cudnn_benchmark and not s.deterministic
+    torch.backends.cudnn.deterministic = s.deterministic
     log.info(
         "cudnn.benchmark=%s (%s)",
-        s.cudnn_benchmark,
+        s.cudnn_benchmark and not s.deterministic,
         "cuDNN times its algorithms for each new shape"
         if s.cudnn_benchmark
         else "cuDNN's heuristics",
     )
     if s.memory_gib is not None:
         cap_memory(s.memory_gib, s.profile, device)
+
+
+CUBLAS_WORKSPACE = ":4096:8"  # what torch's reproducibility notes ask of cuBLAS (CUDA >= 10.2)
+
+
+def set_deterministic(on: bool) -> None:
+    """trainer.deterministic: torch's deterministic algorithms (an op with none warns, once,
+    rather than stopping the run) and the fixed cuBLAS workspace they need, set before the
+    run's first GPU matmul creates its handle. Off restores torch's default for the next run
+    in this process."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+        log.info(
+            "trainer.deterministic=true: torch's deterministic algorithms, cuDNN's, "
+            "CUBLAS_WORKSPACE_CONFIG=%s (slower; torch.compile's kernels and atomics in "
+            "some ops may still differ between runs)",
+            os.environ["CUBLAS_WORKSPACE_CONFIG"],
+        )
+    torch.use_deterministic_algorithms(on, warn_only=True)
 
 
 def set_onednn(enabled: bool) -> None:

@@ -32,6 +32,7 @@ SCHEDULE_KEYS = {
     "step": ("warmup_steps", "warmup_fraction", "warmup_start", "step_size", "gamma"),
     "onecycle": ("pct_start",),
     "constant": ("warmup_steps", "warmup_fraction", "warmup_start"),
+    "wsd": ("warmup_steps", "warmup_fraction", "warmup_start", "decay_fraction", "min_lr_ratio"),
 }
 LR_SCALING = ("linear", "sqrt", "none")
 
@@ -109,7 +110,7 @@ class OptimizerConfig:
 class SchedulerConfig:
     """conf/scheduler/*.yaml; counts real optimizer steps. Keys another schedule reads stay null."""
 
-    name: str = MISSING  # cosine, step, onecycle or constant
+    name: str = MISSING  # cosine, step, onecycle, constant or wsd
     warmup_fraction: Optional[float] = None  # linear warm-up over this fraction of the run's steps
     warmup_steps: Optional[int] = None  # ... or over this many steps, when set
     warmup_start: Optional[float] = None  # lr factor at step 0 of the warm-up
@@ -117,6 +118,7 @@ class SchedulerConfig:
     step_size: Optional[int] = None  # step: multiply by gamma every step_size optimizer steps
     gamma: Optional[float] = None  # step: decay factor
     pct_start: Optional[float] = None  # onecycle: fraction of steps spent increasing the lr
+    decay_fraction: Optional[float] = None  # wsd: the last fraction of the run, decayed linearly
 
     def __post_init__(self) -> None:
         _only_its_keys("scheduler", self, SCHEDULE_KEYS)
@@ -126,6 +128,7 @@ class SchedulerConfig:
             "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
             "gamma": (lambda v: 0 < v <= 1, "in (0, 1]"),
             "pct_start": (lambda v: 0 < v < 1, "in (0, 1)"),
+            "decay_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
         }
         for key, (ok, text) in ranges.items():
             v = getattr(self, key)
@@ -261,8 +264,20 @@ def _cosine(scfg: SchedulerConfig, step: int, steps: int) -> float:
     return scfg.min_lr_ratio + (1 - scfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
 
+def _wsd(scfg: SchedulerConfig, step: int, steps: int) -> float:
+    """Warm-up, stable, decay: the full lr until the last decay_fraction of the steps after
+    warm-up, then linear to min_lr_ratio (a loss read inside the stable phase does not move
+    with the run's length)."""
+    stable = steps - scfg.decay_fraction * steps
+    if step <= stable:
+        return 1.0
+    t = min((step - stable) / (steps - stable), 1.0)
+    return 1.0 - (1 - scfg.min_lr_ratio) * t
+
+
 _DECAYS = {
     "cosine": _cosine,
+    "wsd": _wsd,
     "step": lambda scfg, step, steps: scfg.gamma ** (step // scfg.step_size),
     "constant": lambda scfg, step, steps: 1.0,
 }

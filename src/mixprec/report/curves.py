@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 LEVEL = 0.95
 MIN_FIT = 5  # evaluations a fit needs (3 parameters, 2 left for the residual)
+FIT_NOISE = 2.0  # a fit is used where its RMS residual is at most this x the evaluation noise
 
 
 @dataclass

@@ -48,13 +48,15 @@ from omegaconf import MISSING
 
 from mixprec.core import files
 from mixprec.core.errors import ConfigError, check
+from mixprec.report.curve_match import curve_match
 from mixprec.report.curves import (  # noqa: F401 (crossing, ratio_interval: the study's API)
+    FIT_NOISE,
     LEVEL,
+    MIN_FIT,
     Point,
     crossing,
     fit_curve,
     fitted_crossing,
-    fitted_loss,
     loss_at,
     mean_std,
     paired_interval,
@@ -63,7 +65,7 @@ from mixprec.report.curves import (  # noqa: F401 (crossing, ratio_interval: the
 from mixprec.report.seeds import Seed, crashed_run, eval_noise, read_seeds
 from mixprec.report.study_md import markdown
 
-SMOOTH = ("power", "none")
+SMOOTH = ("none", "power")
 
 
 @dataclass
@@ -127,14 +129,16 @@ class Row:
     convergence_interval: tuple[float, float] | None = None
     censored: list[str] = field(default_factory=list)  # seeds counted at a bound, not left out
     crashed: list[str] = field(default_factory=list)  # runs that failed: named, left out
+    log_spread: float | None = None  # the per-seed sd of the log speedup (paired)
 
 
 def default_target(seeds: list[Seed], reference: str, budget: int | None = None) -> float:
-    """The loss every reference seed reaches: the highest of their losses at `budget` (their
-    last evaluation without one). With a budget below the runs' length, the other precisions
-    have the rest of their steps to reach what the reference reached in its budget."""
+    """The loss every reference seed reaches: the highest of their evaluated losses at `budget`
+    (their last evaluation without one), read from the evaluations, never from a fit. With a
+    budget below the runs' length, the other precisions have the rest of their steps to reach
+    what the reference reached in its budget."""
     ref = [s for s in seeds if s.precision == reference and not s.diverged and s.curve]
-    at = [_loss_at(s, budget) for s in ref]
+    at = [s.final if budget is None else loss_at(s.curve, budget) for s in ref]
     at = [v for v in at if v is not None]
     if not at:
         raise ConfigError(
@@ -145,56 +149,63 @@ def default_target(seeds: list[Seed], reference: str, budget: int | None = None)
     return max(at)
 
 
-def _loss_at(s: Seed, budget: int | None) -> float | None:
-    """A seed's loss at `budget` (its last evaluation when None): from its fit where it has one
-    and the step lies in the fitted window, else between its evaluations."""
-    step = budget if budget is not None else s.curve[-1].step
-    if s.fit and s.fit["first"] <= step <= s.fit["last"]:
-        return fitted_loss(s.fit, step)
-    return s.final if budget is None else loss_at(s.curve, budget)
-
-
 def analyse(
     seeds: list[Seed],
     reference: str,
     target: float | None = None,
     budget: int | None = None,
-    smooth: str = "power",
+    smooth: str = "none",
     fit_from: int | None = None,
 ) -> dict:
-    """The study's answer: the target, one Row per precision (the reference first)."""
+    """The study's answer: the target, one Row per precision (the reference first), the same
+    along the run, and the whole-curve estimate (curve_match)."""
     check(smooth in SMOOTH, "study.smooth", smooth, " or ".join(SMOOTH))
+    unfitted = []
     for s in seeds:
-        s.fit = fit_curve(s.curve, fit_from) if smooth == "power" and not s.diverged else None
+        s.fit = None
+        if smooth == "power" and not s.diverged:
+            s.fit, why = accepted_fit(fit_curve(s.curve, fit_from), s.noise)
+            if why:
+                unfitted.append(f"{s.precision} seed {s.seed} ({why})")
     target = default_target(seeds, reference, budget) if target is None else target
     _crossings(seeds, target)
-    rows = _rows(seeds, reference)
     return {
         "reference": reference,
         "target": target,
         "budget": budget,
         "smooth": smooth,
-        "unfitted": [
-            f"{s.precision} seed {s.seed}"
-            for s in seeds
-            if smooth == "power" and not s.fit and not s.diverged
-        ],
+        "unfitted": unfitted,
         "level": LEVEL,
-        "rows": rows,
+        "rows": _rows(seeds, reference),
         "seeds": seeds,
         "by_length": by_length(seeds, reference, budget),
+        "curve_match": curve_match(seeds, reference, budget),
     }
 
 
+def accepted_fit(fit: dict | None, noise: float | None) -> tuple[dict | None, str | None]:
+    """A seed's fit where it describes its evaluations within their own noise (its RMS residual
+    at most FIT_NOISE x the seed's val/loss_noise), else None and why: a fit that misses the
+    curve by more than the noise moves a crossing by more than it smooths it."""
+    if fit is None:
+        return None, f"fewer than {MIN_FIT} evaluations, or no convergence: raw crossing"
+    if noise is None:
+        return None, "no val/loss_noise to check the fit against: raw crossing"
+    if fit["rms"] > FIT_NOISE * noise:
+        return None, (
+            f"fit residual {fit['rms']:.4f} > {FIT_NOISE:g} x its evaluation noise "
+            f"{noise:.4f}: raw crossing"
+        )
+    return fit, None
+
+
 def _crossings(seeds: list[Seed], target: float) -> None:
-    """Each seed's steps and seconds to `target` (None: not reached, or diverged)."""
+    """Each seed's steps and seconds to `target` (None: not reached, or diverged). Whether a
+    seed reached it is read from its evaluations: an accepted fit only places the crossing."""
     for s in seeds:
-        if s.diverged:
-            hit = None
-        elif s.fit:
-            hit = fitted_crossing(s.curve, s.fit, target)
-        else:
-            hit = crossing(s.curve, target)
+        hit = None if s.diverged else crossing(s.curve, target)
+        if hit and s.fit:
+            hit = fitted_crossing(s.curve, s.fit, target) or hit
         s.steps_to, s.seconds_to = hit if hit else (None, None)
 
 
@@ -204,9 +215,8 @@ def _rows(seeds: list[Seed], reference: str) -> list[Row]:
     for s in sorted(seeds, key=lambda s: (s.precision != reference, s.precision, s.seed)):
         groups.setdefault(s.precision, []).append(s)
     ref = [s for s in groups.get(reference, []) if not crashed_run(s)]
-    ref_times = {s.seed: s.seconds_to for s in ref if s.seconds_to}
     ref_rate = mean_std([s.rate for s in ref if s.rate])
-    return [_row(p, g, ref_times, ref_rate, reference, ref) for p, g in groups.items()]
+    return [_row(p, g, ref_rate, reference, ref) for p, g in groups.items()]
 
 
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
@@ -236,12 +246,10 @@ def by_length(seeds: list[Seed], reference: str, budget: int | None) -> list[dic
     return out
 
 
-def _row(
-    precision: str, group: list[Seed], ref_times, ref_rate, reference: str, ref: list[Seed]
-) -> Row:
+def _row(precision: str, group: list[Seed], ref_rate, reference: str, ref: list[Seed]) -> Row:
     crashed = [s for s in group if crashed_run(s)]
-    ok = [s for s in group if not s.diverged and s not in crashed]
-    times = [s.seconds_to for s in ok if s.seconds_to]
+    kept = [s for s in group if s not in crashed]  # diverged seeds are counted, censored
+    ok = [s for s in kept if not s.diverged]
     rate = mean_std([s.rate for s in ok if s.rate])
     row = Row(
         precision,
@@ -249,8 +257,8 @@ def _row(
         rate,
         rate[0] / ref_rate[0] if rate and ref_rate else None,
         mean_std([s.final for s in ok if s.final is not None]),
-        statistics.fmean([s.steps_to for s in ok if s.steps_to]) if times else None,
-        mean_std(times),
+        None,
+        None,
         None,
         None,
         sum(s.skipped or 0 for s in group),
@@ -259,64 +267,79 @@ def _row(
         [f"seed {s.seed} ({s.run})" for s in group if s.diverged],
     )
     row.crashed = [f"seed {s.seed} ({s.run}: {s.status})" for s in crashed]
-    _factors(row, [s for s in group if s not in crashed], ref)
-    if precision == reference and times:
-        row.speedup = 1.0  # by definition; its seeds' spread is in seconds_to
-    elif times and ref_times:
-        _speedup(row, [s for s in group if s not in crashed], ref_times)
+    if precision == reference:
+        reached = [s for s in ok if s.seconds_to]
+        if reached:  # the speedup is 1 by definition; its seeds' spread is in seconds_to
+            row.steps_to = statistics.fmean(s.steps_to for s in reached)
+            row.seconds_to, row.speedup = mean_std([s.seconds_to for s in reached]), 1.0
+    elif any(s.seconds_to for s in ok) and any(s.seconds_to for s in ref if not s.diverged):
+        _matched(row, kept, [s for s in ref if s.seconds_to and not s.diverged])
     row.verdict = verdict(row, reference)
     return row
 
 
-def _speedup(row: Row, seeds: list[Seed], ref_times: dict) -> None:
-    """The loss-matched speedup with its interval. A seed that never reaches the target or
-    diverged counts against its precision, censored: its time is at least its whole training
-    time and at least the slowest reaching seed's, so its ratio is at most the lowest ratio of
-    the seeds that reached: counting it can only lower the estimate, never raise it."""
-    mine = {s.seed: s.seconds_to for s in seeds if s.seconds_to}
-    censored = [s for s in seeds if not s.seconds_to and s.seed in ref_times]
-    row.censored = [f"seed {s.seed}" for s in censored]
-    keys = set(mine) | {s.seed for s in censored}
-    row.paired = len(keys) >= 2 and keys == set(ref_times)
-    if row.paired:  # seed k of each precision: the same initial weights and batch order
-        ratios = {k: ref_times[k] / mine[k] for k in mine}
-        low = min(ratios.values())
+def _matched(row: Row, seeds: list[Seed], ref: list[Seed]) -> None:
+    """The loss-matched speedup and its two factors, every column over the same seeds, so that
+    speedup = rate ratio x convergence ratio in each row (each seed's time to the target is
+    its steps to it x its seconds per step up to there).
+
+    A seed that never reaches the target or diverged counts against its precision, censored:
+    its time is at least its whole training time and at least the slowest reaching seed's
+    (paired: its ratio at most the lowest ratio of the seeds that reached), its steps at least
+    its last step at its own rate, so counting it can only lower the estimate, never raise it."""
+    hit = {s.seed: (s.steps_to, s.seconds_to) for s in seeds if s.seconds_to}
+    censored = [s for s in seeds if not s.seconds_to]
+    ref_at = {s.seed: (s.steps_to, s.seconds_to) for s in ref}
+    usual = statistics.median(t / n for n, t in hit.values())
+    if set(hit) | {s.seed for s in censored} == set(ref_at) and len(ref_at) >= 2:
+        row.paired = True  # seed k of each precision: the same initial weights and batch order
+        low = min(ref_at[k][1] / t for k, (_, t) in hit.items() if k in ref_at)
         for s in censored:
-            ratios[s.seed] = min(low, ref_times[s.seed] / _spent(s))
-        row.speedup, row.interval = paired_interval([ratios[k] for k in sorted(ratios)])
-    else:
-        slowest = max(mine.values())
-        times = [*mine.values(), *(max(slowest, _spent(s)) for s in censored)]
-        row.speedup, row.interval = ratio_interval(list(ref_times.values()), times)
+            worst = min(low, ref_at[s.seed][1] / _spent(s)) if _spent(s) else low
+            hit[s.seed] = _bound(s, ref_at[s.seed][1] / worst, usual)
+        keys = sorted(hit)
+        ratio = lambda i: [ref_at[k][i] / hit[k][i] for k in keys]  # noqa: E731
+        per_step = [(ref_at[k][1] / ref_at[k][0]) / (hit[k][1] / hit[k][0]) for k in keys]
+        row.speedup, row.interval = paired_interval(ratio(1))
+        row.convergence, row.convergence_interval = paired_interval(ratio(0))
+        row.rate_ratio, row.rate_interval = paired_interval(per_step)
+    else:  # the seeds do not pair: ratios of geometric means, Welch's t on the logs
+        slowest = max(t for _, t in hit.values())
+        for s in censored:
+            hit[s.seed] = _bound(s, max(slowest, _spent(s)), usual)
+        keys, ref_keys = sorted(hit), sorted(ref_at)
+        col = lambda at, ks, i: [at[k][i] for k in ks]  # noqa: E731
+        spp = lambda at, ks: [at[k][1] / at[k][0] for k in ks]  # noqa: E731
+        row.speedup, row.interval = ratio_interval(col(ref_at, ref_keys, 1), col(hit, keys, 1))
+        row.convergence, row.convergence_interval = ratio_interval(
+            col(ref_at, ref_keys, 0), col(hit, keys, 0)
+        )
+        row.rate_ratio, row.rate_interval = ratio_interval(spp(ref_at, ref_keys), spp(hit, keys))
+    row.censored = [f"seed {s.seed}" for s in censored]
+    row.steps_to = statistics.fmean(hit[k][0] for k in hit)
+    row.seconds_to = mean_std([hit[k][1] for k in sorted(hit)])
+    row.log_spread = _log_spread(row, ref_at, hit) if row.paired else None
+
+
+def _bound(s: Seed, seconds: float, usual: float) -> tuple[float, float]:
+    """A censored seed's (steps, seconds) at a time bound: its steps at its own seconds per
+    step over the run (`usual`, the reaching seeds' median, where it has no timed evaluation)."""
+    last = s.curve[-1] if s.curve else None
+    per_step = last.train_s / last.step if last and last.step and last.train_s else usual
+    return seconds / per_step, seconds
+
+
+def _log_spread(row: Row, ref_at: dict, hit: dict) -> float | None:
+    """The per-seed standard deviation of the log speedup: what sets how many seeds the
+    interval needs (±w at 95 % takes about (2 sd / w)^2)."""
+    logs = [math.log(ref_at[k][1] / hit[k][1]) for k in hit]
+    return statistics.stdev(logs) if len(logs) > 1 else None
 
 
 def _spent(s: Seed) -> float:
-    """The training seconds a seed had when it stopped (its last evaluation's)."""
-    return s.curve[-1].train_s if s.curve and s.curve[-1].train_s else float("inf")
-
-
-def _factors(row: Row, seeds: list[Seed], ref: list[Seed]) -> None:
-    """The speedup apart: the rate ratio (the reference's seconds per step / this one's, each
-    seed's over its whole run) and the convergence ratio (the reference's steps to the target /
-    this one's), each the geometric mean over seeds paired by seed, with its interval."""
-    per_step = {s.seed: s.curve[-1].train_s / s.curve[-1].step for s in seeds if _timed(s)}
-    ref_step = {s.seed: s.curve[-1].train_s / s.curve[-1].step for s in ref if _timed(s)}
-    pairs = sorted(set(per_step) & set(ref_step))
-    if pairs:
-        row.rate_ratio, row.rate_interval = paired_interval(
-            [ref_step[k] / per_step[k] for k in pairs]
-        )
-    steps = {s.seed: s.steps_to for s in seeds if s.steps_to}
-    ref_steps = {s.seed: s.steps_to for s in ref if s.steps_to}
-    pairs = sorted(set(steps) & set(ref_steps))
-    if pairs:
-        row.convergence, row.convergence_interval = paired_interval(
-            [ref_steps[k] / steps[k] for k in pairs]
-        )
-
-
-def _timed(s: Seed) -> bool:
-    return bool(s.curve) and s.curve[-1].step > 0 and s.curve[-1].train_s > 0
+    """The training seconds a seed had when it stopped (its last evaluation's; 0 without one:
+    a bound that then leaves the other bound to decide)."""
+    return s.curve[-1].train_s if s.curve and s.curve[-1].train_s else 0.0
 
 
 def verdict(row: Row, reference: str) -> str:
@@ -352,7 +375,7 @@ def write(
     reference: str = "bf16",
     target: float | None = None,
     budget: int | None = None,
-    smooth: str = "power",
+    smooth: str = "none",
     fit_from: int | None = None,
 ) -> dict:
     """study.md, study.json and study.png in the sweep dir; returns the result."""
@@ -381,6 +404,21 @@ def write(
     return result
 
 
+def sweep_study(sweep_dir: Path) -> dict:
+    """The study.* settings the sweep's first readable run was configured with ({} if none),
+    so that reading a study again gives the answer the sweep wrote unless told otherwise."""
+    from mixprec.report.runs import find_runs
+    from mixprec.sinks import local
+
+    for run in find_runs([sweep_dir]):
+        cfg = local.run_config(run)
+        study = cfg.get("study") if isinstance(cfg, dict) else None
+        if isinstance(study, dict):
+            keys = ("reference", "target", "budget", "smooth", "fit_from")
+            return {k: study[k] for k in keys if study.get(k) is not None}
+    return {}
+
+
 def _at_least_1(text: str) -> int:
     try:
         n = int(text)
@@ -404,13 +442,15 @@ def _loss(text: str) -> float:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m mixprec.study", description=__doc__.split("\n")[0])
     ap.add_argument("sweep", type=Path, help="the sweep dir of precisions x seeds")
-    ap.add_argument("--reference", default="bf16", help="the precision matched against (bf16)")
+    ap.add_argument(
+        "--reference", default=None, help="the precision matched against (the sweep's, or bf16)"
+    )
     ap.add_argument("--target", type=_loss, default=None, help="val loss (default: see above)")
     ap.add_argument(
-        "--budget", type=_at_least_1, default=None, help="the reference's step for the target"
+        "--budget", type=_at_least_1, default=None, help="the reference's step (the sweep's)"
     )
     ap.add_argument(
-        "--smooth", choices=SMOOTH, default="power", help="crossings from a fit (power)"
+        "--smooth", choices=SMOOTH, default=None, help="none (raw crossings) or power (a fit)"
     )
     ap.add_argument(
         "--fit-from", type=_at_least_1, default=None, help="first step fitted (10 %% of the last)"
@@ -419,7 +459,16 @@ def main(argv: list[str] | None = None) -> None:
     if not a.sweep.is_dir():
         ap.error(f"{a.sweep} does not exist or is not a directory")  # exit 2, as diagnose's
     with files.cli_errors(a.sweep):  # a config error, a full disk, a read-only sweep dir
-        result = write(a.sweep, a.reference, a.target, a.budget, a.smooth, a.fit_from)
+        said = sweep_study(a.sweep)  # what the sweep ran with, where the command line is silent
+        pick = lambda key, v, default=None: said.get(key, default) if v is None else v  # noqa: E731
+        result = write(
+            a.sweep,
+            pick("reference", a.reference, "bf16"),
+            pick("target", a.target),
+            pick("budget", a.budget),
+            pick("smooth", a.smooth, "none"),
+            pick("fit_from", a.fit_from),
+        )
     print(markdown(result))
     print(f"wrote {a.sweep / 'study.md'}, study.json, study.png")
 

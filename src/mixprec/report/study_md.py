@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import math
 
-from mixprec.report.curves import LEVEL
+from mixprec.report.curves import FIT_NOISE, LEVEL
 from mixprec.report.report import escape
+
+PAIRING = (
+    "Seed k of every precision shares its initial weights and its batches, in order; not its "
+    "kernels' rounding, nor (on a GPU, without trainer.deterministic=true) their order of "
+    "summation, so two runs of one seed drift apart and the pairing removes only what the "
+    "shared start and data make common."
+)
 
 
 def _pm(v: tuple | None, fmt: str = "{:.4f}") -> str:
@@ -19,47 +26,65 @@ def _interval(r) -> str:  # (a study.Row)
     return f"{r.interval[0]:.2f}-{r.interval[1]:.2f}{'' if r.paired else ' (W)'}"
 
 
-def markdown(result: dict) -> str:
-    ref, target, budget = result["reference"], result["target"], result.get("budget")
-    where = f"its seeds' worst at step {budget}" if budget else "its seeds' worst final"
+def _how(result: dict) -> str:
+    """How each seed's crossing was read: between raw evaluations, or on a checked fit."""
+    how = "interpolated between the two evaluations around its first crossing"
     if result.get("smooth", "none") == "power":
         fits = [s.fit for s in result["seeds"] if s.fit]
         how = (
-            "read from each seed's fit L = a + b s^-c to its evaluations from step "
-            f"{min(f['first'] for f in fits) if fits else '-'} (largest RMS residual "
-            f"{max((f['rms'] for f in fits), default=float('nan')):.4f})"
+            f"placed on each seed's fit L = a + b s^-c where the fit is within {FIT_NOISE:g}x "
+            f"the seed's evaluation noise ({len(fits)} seeds; largest RMS residual "
+            f"{max((f['rms'] for f in fits), default=float('nan')):.4f}), else {how}"
         )
         if result.get("unfitted"):
-            how += f"; not fitted, raw crossings: {escape(', '.join(result['unfitted']))}"
-    else:
-        how = "interpolated between evaluations"
+            how += f"; not fitted: {escape('; '.join(result['unfitted']))}"
+    return how + " (whether a seed reached the target is read from its evaluations)"
+
+
+def markdown(result: dict) -> str:
+    ref, target, budget = result["reference"], result["target"], result.get("budget")
+    where = (
+        f"its seeds' worst evaluated loss at step {budget}"
+        if budget
+        else "its seeds' worst final evaluation"
+    )
+    how = _how(result)
     out = [
         f"## Time to the same quality (reference {escape(ref)}, target val loss {target:.4f}: "
         f"{where})\n",
         "Training seconds to the target (steps only: evaluation, checkpoints and the first "
         f"step's compile left out), {how}; speedup = the reference's time / this one's, "
         f"the geometric mean over seeds with a {LEVEL:.0%} paired t interval on the per-seed "
-        "log ratios (seed k of every precision starts from the same weights and sees the same "
-        "batches), or Welch's t on the log times where the seeds do not pair (marked W). "
-        "Rates: steady state, each run alone on its device.\n",
+        "log ratios, or Welch's t on the log times where the seeds do not pair (marked W). "
+        f"{PAIRING} "
+        "Every column of a row is over the same seeds (a censored seed at its bound, marked "
+        ">=), so speedup = rate ratio x convergence ratio. Rates: steady state, each run alone "
+        "on its device.\n",
         "| precision | seeds | tokens/s (samples/s) | raw rate vs ref | final val loss | "
         "steps to target | seconds to target | loss-matched speedup | interval | skipped "
         "| peak GiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
+        at_least = ">=" if r.censored else ""
         out.append(
             f"| {escape(r.precision)} | {r.seeds} | {_pm(r.rate, '{:,.0f}')} | "
             f"{'-' if r.rate_vs_ref is None else f'{r.rate_vs_ref:.2f}'} | {_pm(r.final)} | "
-            f"{'-' if r.steps_to is None else f'{r.steps_to:.0f}'} | "
-            f"{_pm(r.seconds_to, '{:.1f}')} | "
+            f"{'-' if r.steps_to is None else f'{at_least}{r.steps_to:.0f}'} | "
+            f"{'' if r.seconds_to is None else at_least}{_pm(r.seconds_to, '{:.1f}')} | "
             f"{'-' if r.speedup is None else f'**{r.speedup:.2f}**'} | "
             f"{_interval(r)} | "
             f"{r.skipped} | {'-' if r.peak_gib is None else f'{r.peak_gib:.1f}'} |"
         )
     out.append("")
     out += [f"- {escape(r.verdict)}" for r in result["rows"]]
+    spreads = [f"{escape(r.precision)} {r.log_spread:.3f}" for r in result["rows"] if r.log_spread]
+    if spreads:
+        out.append(
+            "- per-seed spread of the log speedup (first passage, paired): " + ", ".join(spreads)
+        )
     out += _length_table(result)
+    out += curve_table(result)
     censored = sum(len(r.censored) for r in result["rows"])
     out += [
         "",
@@ -140,4 +165,52 @@ def _length_table(result: dict) -> list[str]:
                 f"{_ratio(r.convergence, r.convergence_interval)} | "
                 f"{_ratio(r.rate_ratio, r.rate_interval)} | {len(r.censored)} |"
             )
+    return out
+
+
+def _nats(v: float | None, iv: tuple | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:+.4f}" + (f" ({iv[0]:+.4f} to {iv[1]:+.4f})" if iv else "")
+
+
+def curve_table(result: dict) -> list[str]:
+    """The whole-curve estimate (curve_match) beside first passage."""
+    rows = result.get("curve_match") or []
+    if not rows:
+        return []
+    lo, hi = rows[0]["window"]
+    out = [
+        "",
+        "### The whole curve, paired",
+        "",
+        f"At every evaluation from step {lo} to {hi}, seed k's loss minus the reference's seed "
+        "k's, added to the reference's mean curve and read off it as a step: the steps of the "
+        "reference that this precision's steps are worth (the convergence ratio, averaged on "
+        "the log scale), times the rate ratio. It reads every evaluation in the window, where "
+        f"first passage reads one; {LEVEL:.0%} paired t intervals. Per-seed spread: the "
+        "standard deviation of the per-seed log speedup (±0.05 at 95 % takes about "
+        "(2 x spread / 0.05)^2 seeds). Final loss: this precision's minus the reference's at "
+        "the last common evaluation, paired, in nats (below 0: lower loss).",
+        "",
+        "| precision | seeds | speedup | convergence ratio | rate ratio | per-seed spread (log) "
+        "| final loss difference (nats) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        spread = "-" if r["log_spread"] is None else f"{r['log_spread']:.3f}"
+        out.append(
+            f"| {escape(r['precision'])} | {r['seeds']} | "
+            f"{_ratio(r['speedup'], r['interval'])} | "
+            f"{_ratio(r['convergence'], r['convergence_interval'])} | "
+            f"{_ratio(r['rate_ratio'], r['rate_interval'])} | {spread} | "
+            f"{_nats(r['final_diff'], r['final_diff_interval'])} |"
+        )
+    beyond = sum(r["beyond"] for r in rows)
+    if beyond:
+        out += [
+            "",
+            f"{beyond} evaluation(s) below anything the reference's mean curve reached were "
+            "read at its last step (a bound: the estimate is then a floor).",
+        ]
     return out

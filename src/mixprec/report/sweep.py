@@ -86,7 +86,7 @@ class ReportCallback(Callback):
                     study_cfg["reference"],
                     study_cfg.get("target"),
                     study_cfg.get("budget"),
-                    study_cfg.get("smooth") or "power",
+                    study_cfg.get("smooth") or "none",
                     study_cfg.get("fit_from"),
                 )
             except Exception as e:  # never turn a finished sweep into a failure

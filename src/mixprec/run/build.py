@@ -168,6 +168,7 @@ def process_settings(c: TrainConfig, hw: hardware.HardwareConfig) -> process.Set
         recompile_limit=compiling.BLOCK_RECOMPILE_LIMIT if blocks else None,
         detect_anomaly=c.debug.detect_anomaly,
         cpu_fp16=c.precision.autocast == "float16",  # (process.set_onednn: CPUs only)
+        deterministic=c.trainer.deterministic,
     )
 
 

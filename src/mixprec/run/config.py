@@ -55,6 +55,7 @@ class TrainerConfig:
     perf_warmup_steps: int = MISSING  # steps excluded from the summary's samples_per_s
     settle_late: bool = MISSING  # settle each step one step late (no host sync per fp16 step)
     stop_grace_s: float = MISSING  # after a stop signal: exit without a checkpoint after this
+    deterministic: bool = MISSING  # torch's deterministic algorithms (and cuBLAS's workspace)
 
     def __post_init__(self) -> None:
         check(self.epochs >= 1, "trainer.epochs", self.epochs, "an int >= 1")
