@@ -316,3 +316,76 @@ def test_the_bytes_a_parameter_costs_follow_the_optimizers_state():
     assert states.bytes_per_param(group("optimizer", "adamw", state="bf16")) == 8
     assert states.bytes_per_param(group("optimizer", "adamw", offload="cpu")) == 8
     assert states.bytes_per_param(group("optimizer", "sgd", momentum=0.9)) == 12
+
+
+PLUGINS = ["data=custom", "data.path=tests/plugins", "hardware=cpu", "logger=none"]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dict_sample_past_the_first_without_its_target_is_named_by_its_index(tmp_path, workers):
+    """Sample 7 of the training set lacks its label (the first sample has it): one line naming
+    train[7] and its keys, exit 2, read in the main process or in a loader worker alike."""
+    p = run_train(
+        [
+            *PLUGINS,
+            "data.target=own_data:holey_dicts",
+            "batch=16",
+            "trainer.max_steps=30",
+            f"hardware.num_workers={workers}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ]
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out[-2000:]
+    assert "train[7] is a dict with keys ['pixel_values']: it lacks ['label']" in out
+    assert "Traceback" not in out and "KeyError" not in out
+
+
+def test_your_collate_fn_raising_mid_run_is_one_line_and_the_last_checkpoint_stays(tmp_path):
+    """The dataset's own collate_fn fails on a worker's second batch (batch 2 of the epoch):
+    one line naming the function and its exception with the epoch and batch, exit 4 (a fault
+    in the data found while training), the checkpoint of step 2 kept for a resume."""
+    run_dir = tmp_path / "run"
+    p = run_train(
+        [
+            *PLUGINS,
+            "data.target=own_data:exploding_collate",
+            "batch=16",
+            "trainer.max_steps=30",
+            "hardware.num_workers=2",
+            "ckpt.every_steps=2",
+            f"hydra.run.dir={run_dir}",
+        ]
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 4, out[-2000:]
+    said = "its collate_fn Exploding raised RuntimeError: collate exploded on call 4"
+    assert f"{said} (epoch 0, batch 2)" in out
+    assert "Traceback" not in out
+    assert (run_dir / "checkpoints" / "step_00000002.pt").is_file()
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
+
+
+def test_a_loss_refused_at_its_first_call_leaves_nothing_and_the_fixed_command_runs(tmp_path):
+    """model.loss=users:per_sample returns a loss per sample: refused at the first step (exit 2)
+    with nothing left where the run was (no .hydra/, train.log, .lock, metrics or summary),
+    so the same command with the loss fixed trains into that dir; a clean exit leaves no
+    .lock."""
+    name = module(
+        tmp_path,
+        """
+        import torch.nn.functional as F
+
+        def per_sample(logits, targets):
+            return F.cross_entropy(logits, targets, reduction="none")
+        """,
+    )
+    run_dir = tmp_path / "run"
+    args = ["hardware=cpu", "logger=wandb", "trainer.max_steps=3", f"hydra.run.dir={run_dir}"]
+    env = {"PYTHONPATH": str(tmp_path)}
+    bad = run_train([*args, f"model.loss={name}:per_sample"], env_extra=env)
+    assert bad.returncode == 2 and "returned torch.float32 (64,)" in bad.stdout + bad.stderr
+    assert not run_dir.exists()
+    good = run_train(args, env_extra=env)
+    assert good.returncode == 0, (good.stdout + good.stderr)[-2000:]
+    assert (run_dir / "summary.json").is_file() and not (run_dir / ".lock").exists()

@@ -93,3 +93,83 @@ def test_the_docs_python_block_runs_as_written(user, tmp_path, monkeypatch):
         "bf16": "completed",
     }
     assert (tmp_path / "outputs" / "python" / "mlp" / "summary.json").is_file()
+
+
+class Tuple3(torch.nn.Module):
+    """A model whose forward returns three tensors: no logits the data can read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 4)
+
+    def forward(self, x):
+        y = self.lin(x.flatten(1))
+        return y, y, y
+
+
+def per_sample(logits, targets):
+    return torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+
+
+@pytest.mark.parametrize(
+    "given, needle",
+    [
+        (dict(model=Tuple3()), r"mixprec.train\(model=Tuple3\) returns tuple"),
+        (dict(loss=per_sample), r"mixprec.train\(loss=per_sample\) returned torch.float32"),
+    ],
+)
+def test_your_objects_refused_at_the_first_step_are_named_and_leave_no_run_dir(
+    user, tmp_path, caplog, given, needle
+):
+    """A model or loss refused when first called (at the run's first step, after the build)
+    raises a ConfigError naming your class or function, not the placeholders that carry
+    them (mixprec.api:model_object, loss_<key>), in the log too; the run dir it had made is
+    removed, and the next, fixed call into the same dir trains."""
+    own_models, own_data = user
+    data = own_data.blobs(size=8)
+    kw = {"model": own_models.plain_mlp(num_classes=4, input_shape=(1, 8, 8)), **given}
+    with pytest.raises(ConfigError, match=needle) as e:
+        mixprec.train(
+            data=(data["train"], data["val"]),
+            num_classes=4,
+            overrides=CPU,
+            run_dir=tmp_path / "run",
+            **kw,
+        )
+    assert "mixprec.api" not in str(e.value) and "mixprec.api" not in caplog.text
+    assert not (tmp_path / "run").exists()
+    fixed = {k: v for k, v in kw.items() if k == "model" and not isinstance(v, Tuple3)}
+    fixed.setdefault("model", own_models.plain_mlp(num_classes=4, input_shape=(1, 8, 8)))
+    done = mixprec.train(
+        data=(data["train"], data["val"]), overrides=CPU, run_dir=tmp_path / "run", **fixed
+    )
+    assert done["status"] == "completed" and not (tmp_path / "run" / ".lock").exists()
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
+
+
+def test_num_classes_is_inferred_from_the_models_last_linear_or_the_labels(user, tmp_path, caplog):
+    """(train, val) without num_classes=: a module's last Linear says 4; a callable model says
+    nothing, so the datasets' integer labels do (1 + the largest: 4); both said in the log.
+    Float labels show nothing: the refusal stays."""
+    caplog.set_level("INFO")
+    own_models, own_data = user
+    data = own_data.blobs(size=8)
+    pair = (data["train"], data["val"])
+    net = own_models.plain_mlp(num_classes=4, input_shape=(1, 8, 8))
+    first = mixprec.train(model=net, data=pair, overrides=CPU, run_dir=tmp_path / "a")
+    assert (
+        first["status"] == "completed" and "out_features of the model's last Linear" in caplog.text
+    )
+    second = mixprec.train(
+        model=own_models.plain_mlp, data=pair, overrides=CPU, run_dir=tmp_path / "b"
+    )
+    assert (
+        second["status"] == "completed"
+        and "num_classes=4: 1 + the largest integer label" in caplog.text
+    )
+    floats = torch.utils.data.TensorDataset(torch.randn(8, 1, 8, 8), torch.rand(8))
+    with pytest.raises(ConfigError, match="neither the model's last Linear nor integer labels"):
+        mixprec.train(
+            model=own_models.plain_mlp, data=(floats, floats), overrides=CPU, run_dir=tmp_path / "c"
+        )
+    assert not (tmp_path / "c").exists()

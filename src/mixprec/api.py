@@ -26,10 +26,8 @@ import logging
 import uuid
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from mixprec.core import targets
-from mixprec.core.errors import ConfigError
+from mixprec.core.errors import ConfigError, MixprecError
 
 log = logging.getLogger("mixprec")
 _OBJECTS: dict[str, object] = {}  # what train() was given, by a key of this call's own
@@ -50,19 +48,27 @@ def train(
 
     run_dir = Path(run_dir or _default_dir("outputs/python"))
     keys: list[str] = []
+    names = _Names()  # messages name your objects, not the placeholders that carry them
     try:
-        extra = _model_overrides(model, keys) + _data_overrides(data, num_classes, vocab_size, keys)
+        extra = _model_overrides(model, keys)
+        extra += _data_overrides(data, num_classes, vocab_size, keys, model)
         extra += _loss_overrides(loss, keys)
+        names.of(model, data, loss, keys)
         try:
             cfg = compose_config([*extra, *overrides])
         except CompactHydraException as e:  # an unknown option, a wrong type: as train.py's exit 2
             raise ConfigError(str(e).split("\nConfig search path:")[0]) from None
         cfg.run_dir = str(run_dir)
         validate(cfg)  # a bad value is refused before the run dir is made
-        _write_hydra_config(run_dir, cfg)
-        with _logged_to(run_dir / "train.log"):
+        with _logged_to(), names:  # .hydra/ and train.log: the run's, once it is accepted
+            for note in _NOTES:
+                log.info("%s", note)
             return session.run(cfg)
+    except MixprecError as e:
+        e.args = (names.said(str(e)),)
+        raise
     finally:
+        _NOTES.clear()
         for k in keys:
             _OBJECTS.pop(k, None)
 
@@ -120,19 +126,77 @@ def _model_overrides(model, keys: list) -> list[str]:
     return ["model=own", "model.target=mixprec.api:model_object", f"+model.kwargs.key={key}"]
 
 
-def _data_overrides(data, num_classes, vocab_size, keys: list) -> list[str]:
+def _data_overrides(data, num_classes, vocab_size, keys: list, model=None) -> list[str]:
     if data is None:
         return []
     if isinstance(data, (tuple, list)):
+        if len(data) == 2 and num_classes is None and vocab_size is None:
+            num_classes = inferred_classes(model, data)
         if len(data) != 2 or (num_classes is None) == (vocab_size is None):
             raise ConfigError(
                 "mixprec.train(data=(train, val)) needs both datasets and one of num_classes= "
-                "(classification) or vocab_size= (tokens)"
+                "(classification) or vocab_size= (tokens); neither the model's last Linear "
+                "nor integer labels of the datasets showed the classes"
             )
         what = {"num_classes": num_classes} if num_classes else {"vocab_size": vocab_size}
         data = {"train": data[0], "val": data[1], **what}
     key = _keep(data, keys)
     return ["data=custom", "data.target=mixprec.api:data_object", f"+data.kwargs.key={key}"]
+
+
+_NOTES: list[str] = []  # what train() inferred, said in the run's first lines
+MAX_SCAN = 100_000  # samples read to find the classes of a dataset that is no TensorDataset
+
+
+def inferred_classes(model, data) -> int | None:
+    """num_classes where it can be read safely: the out_features of the model's last Linear
+    (a module given as an object), else 1 + the largest integer label of (train, val) (a
+    TensorDataset's label tensor, or up to MAX_SCAN samples of (input, int label)); None
+    where neither shows it. Said in the run's first lines."""
+    from torch import nn
+
+    if isinstance(model, nn.Module):
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        if linears:
+            _NOTES.append(
+                f"num_classes={linears[-1].out_features}: the out_features of the model's last "
+                "Linear (mixprec.train(data=(train, val)) without num_classes=)"
+            )
+            return linears[-1].out_features
+    try:
+        top = max(_largest_label(ds) for ds in data)
+    except (TypeError, ValueError, IndexError, KeyError):
+        return None
+    if top is None:
+        return None
+    _NOTES.append(
+        f"num_classes={top + 1}: 1 + the largest integer label of the datasets "
+        "(mixprec.train(data=(train, val)) without num_classes=)"
+    )
+    return top + 1
+
+
+def _largest_label(ds) -> int | None:
+    import torch
+    from torch.utils.data import TensorDataset
+
+    if isinstance(ds, TensorDataset) and len(ds.tensors) == 2:
+        y = ds.tensors[1]
+        ok = y.ndim == 1 and not y.is_floating_point() and not y.is_complex()
+        return int(y.max()) if ok and y.numel() and int(y.min()) >= 0 else None
+    if not hasattr(ds, "__len__") or len(ds) > MAX_SCAN:
+        return None
+    top = -1
+    for i in range(len(ds)):
+        y = ds[i][1]
+        if isinstance(y, torch.Tensor):
+            if y.ndim or y.is_floating_point():
+                return None
+            y = int(y)
+        if not isinstance(y, int) or isinstance(y, bool) or y < 0:
+            return None
+        top = max(top, y)
+    return top if top >= 0 else None
 
 
 def _loss_overrides(loss, keys: list) -> list[str]:
@@ -158,6 +222,60 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+class _Names(logging.Filter):
+    """The user's names for what train() was given, in every message of the run (the
+    "mixprec" logger's records and the error raised): `mixprec.train(model=Tuple3)`, not
+    model.target='mixprec.api:model_object'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pairs: list[tuple[str, str]] = []
+
+    def of(self, model, data, loss, keys: list) -> None:
+        slots = iter(keys)  # in the order _model/_data/_loss_overrides kept them
+        for given, key, arg, place in (
+            (model, "model.target", "model", "model_object"),
+            (data, "data.target", "data", "data_object"),
+            (loss if callable(loss) else None, "model.loss", "loss", None),
+        ):
+            if given is None:
+                continue
+            slot = place or f"{LOSS}{next(slots)}"
+            if place:
+                next(slots)
+            shown = f"mixprec.train({arg}={_shown(given)})"
+            self.pairs += [(f"{key}='mixprec.api:{slot}'", shown), (f"mixprec.api:{slot}", shown)]
+
+    def said(self, text: str) -> str:
+        for placeholder, name in self.pairs:
+            text = text.replace(placeholder, name)
+        return text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.pairs:
+            record.msg, record.args = self.said(record.getMessage()), ()
+        return True
+
+    def __enter__(self):
+        logging.getLogger("mixprec").addFilter(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("mixprec").removeFilter(self)
+
+
+def _shown(obj) -> str:
+    """A given object as its user knows it: a class or function by its name, a dataset pair
+    or dict by its datasets' types."""
+    if isinstance(obj, (tuple, list)):
+        return "(" + ", ".join(type(v).__name__ for v in obj) + ")"
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{k!r}: {type(v).__name__}" for k, v in obj.items()) + "}"
+    if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "forward")):
+        return getattr(obj, "__qualname__", type(obj).__name__)
+    return type(obj).__name__
+
+
 def _keep(obj, keys: list) -> str:
     key = uuid.uuid4().hex[:12]  # its own key: the data loader's cache keys on it
     _OBJECTS[key] = obj
@@ -173,25 +291,17 @@ def _default_dir(root: str) -> Path:
     return Path(root) / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")
 
 
-def _write_hydra_config(run_dir: Path, cfg) -> None:
-    """.hydra/config.yaml, as Hydra writes it for train.py: the report and the study read a
-    run's precision and seed from it."""
-    (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml", resolve=False)
-
-
 class _logged_to:
-    """The run's log lines into its train.log (and on the console, where nothing else
-    prints them), as Hydra's job logging does for train.py."""
+    """The run's log lines on the console where nothing else prints them, as Hydra's job
+    logging does for train.py (its train.log is the run's own: rundir.Journal)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self) -> None:
         self.handlers: list[logging.Handler] = []
 
     def __enter__(self):
         fmt = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
         root = logging.getLogger()
-        self.handlers = [logging.FileHandler(self.path)]
+        self.handlers = []
         if not root.handlers:
             self.handlers.append(logging.StreamHandler())
         for h in self.handlers:

@@ -252,3 +252,44 @@ class Masked(Dataset):
 
     def __getitem__(self, i: int):
         return {**self.data[i], "attention_mask": self.data.mask}
+
+
+class Holey(Dataset):
+    """Dict samples of which one (`bad`) lacks its label, as a dataset with a broken row."""
+
+    def __init__(self, data: Dataset, bad: int) -> None:
+        self.data, self.bad = data, bad
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        x, y = self.data[i]
+        return {"pixel_values": x} if i == self.bad else {"pixel_values": x, "label": y}
+
+
+def holey_dicts(bad: int = 7) -> dict:
+    made = blobs()
+    return {**made, "train": Holey(made["train"], bad), "val": Holey(made["val"], -1)}
+
+
+class Exploding:
+    """A collate_fn that stacks as torch's default does, and raises on its `at`-th call in
+    its process (a worker's calls are counted in the worker)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.calls = at, 0
+
+    def __call__(self, samples: list):
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError(f"collate exploded on call {self.at}")
+        from torch.utils.data import default_collate
+
+        return default_collate(samples)
+
+
+def exploding_collate(at: int = 4) -> dict:
+    """blobs() with a collate_fn of the user's own that fails part-way into the run (its
+    first call is mixprec's check of the first sample)."""
+    return {**blobs(), "collate_fn": Exploding(at)}

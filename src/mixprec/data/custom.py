@@ -32,7 +32,7 @@ import torch
 from omegaconf import MISSING, ListConfig
 
 from mixprec.core import targets, tasks
-from mixprec.core.errors import ConfigError, check
+from mixprec.core.errors import ConfigError, DataError, check
 from mixprec.core.tasks import CLASSIFY, ClassifyTokens, Keyworded, LanguageModel, TagTokens
 from mixprec.data.base import Context, Data, DataConfig
 from mixprec.data.loaders import EpochLoader
@@ -100,31 +100,66 @@ class Keys:
             return sample[self.inputs], sample[self.target]
         return {k: sample[k] for k in self.inputs}, sample[self.target]
 
+    def needs(self) -> list[str]:
+        """The entries every sample must have."""
+        if self.inputs == EVERY:
+            return [self.target]
+        inputs = [self.inputs] if isinstance(self.inputs, str) else list(self.inputs)
+        return [*inputs, self.target]
+
+    def split_checked(self, where: str, sample) -> tuple:
+        """split(), or a config error naming the sample and its keys where it lacks an entry
+        the first sample had (found mid-run, in a loader worker too)."""
+        absent = (
+            [k for k in self.needs() if k not in sample] if isinstance(sample, Mapping) else None
+        )
+        if absent is None or absent:
+            what = (
+                f"a dict with keys {sorted(map(str, sample))}: it lacks {absent}"
+                if absent
+                else f"a {type(sample).__name__}, not a dict"
+            )
+            raise ConfigError(
+                f"{where} is {what}, which the first sample had ({_said(self)}); every sample "
+                "needs them (set data.input_key / data.target_key, or fix the dataset)"
+            )
+        return self.split(sample)
+
 
 class Pairs:
     """A dataset of dict samples read as (input, target) pairs (picklable: DataLoader workers
-    read it too)."""
+    read it too); `where` names the split in messages (data.target='...': train)."""
 
-    def __init__(self, dataset, keys: Keys) -> None:
-        self.dataset, self.keys = dataset, keys
+    def __init__(self, dataset, keys: Keys, where: str = "the dataset") -> None:
+        self.dataset, self.keys, self.where = dataset, keys, where
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, i):
-        return self.keys.split(self.dataset[i])
+        return self.keys.split_checked(f"{self.where}[{i}]", self.dataset[i])
 
 
 class Collated:
     """The dataset's own collate_fn (a Hugging Face collator: padding, masks), its dict batch
-    read as an (input, target) pair; a batch it already gives as a pair stays one."""
+    read as an (input, target) pair; a batch it already gives as a pair stays one. Where the
+    collate_fn itself raises, a DataError names it and the exception (the loader adds the
+    batch)."""
 
-    def __init__(self, collate, keys: Keys | None) -> None:
-        self.collate, self.keys = collate, keys
+    def __init__(self, collate, keys: Keys | None, where: str = "data.target") -> None:
+        self.collate, self.keys, self.where = collate, keys, where
 
     def __call__(self, samples: list):
-        batch = self.collate(samples)
-        return self.keys.split(batch) if self.keys is not None else tuple(batch)
+        try:
+            batch = self.collate(samples)
+        except Exception as e:
+            name = getattr(self.collate, "__qualname__", type(self.collate).__name__)
+            raise DataError(
+                f"{self.where}: its collate_fn {name} raised {type(e).__name__}: {e}"
+            ) from None
+        if self.keys is None:
+            return tuple(batch)
+        return self.keys.split_checked(f"{self.where}: a batch from its collate_fn", batch)
 
 
 def _keys(where: str, sample: Mapping, cfg_keys: tuple) -> Keys:
@@ -188,7 +223,7 @@ def _first(target: str, split: str, ds, collate, cfg_keys: tuple) -> tuple:
         return ds, None, sample
     keys = _keys(where, sample, cfg_keys)
     log.info("data.target=%r: %s samples are dicts: %s", target, split, _said(keys))
-    return Pairs(ds, keys), keys, keys.split(sample)
+    return Pairs(ds, keys, f"data.target={target!r}: {split}"), keys, keys.split(sample)
 
 
 def _pair(where: str, batch):
@@ -271,7 +306,7 @@ def _load(target: str, path: str | None, kwargs_json: str, keys: tuple = (None, 
     if val_kind != kind or (val_shape != shape and collate is None):  # (a collator pads)
         raise ConfigError(f"{key}={target!r}: train and val samples differ in shape")
     extras = None if main is None else _extras(sample[0], main)
-    wrapped = Collated(collate, found) if collate is not None else None
+    wrapped = Collated(collate, found, f"data.target={target!r}") if collate is not None else None
     return Loaded(train, val, n, shape, kind, tokens, wrapped, main, extras)
 
 

@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from mixprec.core.errors import ConfigError, DataError
 from mixprec.data.base import Context
 from mixprec.data.workers import Seeded, quiet_worker, signals_held, start_method, stop_workers
 
@@ -232,7 +233,7 @@ class EpochLoader:
                         **self.loader_kw,
                     )
                 )
-            yield from self._iterator
+            yield from from_workers(self._iterator, self.epoch, self.skip)
             return
         if self._stream_at != (self.epoch, self.skip):  # first epoch, a resume, or a jump
             self.close()
@@ -248,7 +249,7 @@ class EpochLoader:
                 )
         for b in range(self.skip, len(self)):
             self._stream_at = None  # a batch taken but not handed on: the position is lost
-            batch = next(self._stream)
+            batch = next(from_workers(self._stream, self.epoch, b))
             self._stream_at = (self.epoch, b + 1) if b + 1 < len(self) else (self.epoch + 1, 0)
             yield batch
 
@@ -263,6 +264,24 @@ class EpochLoader:
         many workers (benchmarks/RESULTS.md)."""
         stop_workers(self._iterator)
         self._iterator, self._stream, self._stream_at = None, None, None
+
+
+def from_workers(batches: Iterator, epoch: int, first: int) -> Iterator:
+    """The batches, where a mixprec error raised while one was read or collated (in a worker
+    or not) stops the run as one line naming the epoch and batch: torch re-raises a worker's
+    exception as its class with the worker's whole traceback for a message, whose last line
+    is the error's own."""
+    b = first
+    try:
+        for batch in batches:
+            yield batch
+            b += 1
+    except (ConfigError, DataError) as e:
+        text = str(e)
+        if text.startswith("Caught ") and "Original Traceback" in text:
+            last = text.rstrip().splitlines()[-1]
+            text = last.split(": ", 1)[1] if ": " in last else last
+        raise type(e)(f"{text} (epoch {epoch}, batch {b})") from None
 
 
 class _Epochs:

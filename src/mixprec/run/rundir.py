@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from mixprec.core import files
 from mixprec.core.errors import ConfigError, RunDirBusy
 
@@ -67,16 +69,20 @@ class RunDirLock:
 
     def __enter__(self) -> RunDirLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            os.close(fd)
-            raise RunDirBusy(
-                f"run dir {self.path.parent} is in use by {holder}; one writer per "
-                "run dir: wait for it, stop it, or choose another hydra.run.dir"
-            ) from None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise RunDirBusy(
+                    f"run dir {self.path.parent} is in use by {holder}; one writer per "
+                    "run dir: wait for it, stop it, or choose another hydra.run.dir"
+                ) from None
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # the holder removed it as we opened it (a clean exit): the new one
         previous = _read_holder(fd)
         if previous != "an unknown process":
             log.info("run dir lock: took over the lock left by %s (no longer running)", previous)
@@ -96,11 +102,38 @@ class RunDirLock:
         return self
 
     def __exit__(self, *exc) -> None:
+        """The lock file goes with the run (removed while held: a process that opened it a
+        moment before finds it unlinked and takes the new one, _same_file)."""
         if self.fd is not None:
-            os.ftruncate(self.fd, 0)
+            self.path.unlink(missing_ok=True)
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` is still the file `fd` holds (not unlinked or replaced since)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    here = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino)
+
+
+def withdraw(run_dir: Path) -> None:
+    """A run refused at its first step (a loss or a sample the build could not check): remove
+    what it wrote, so the dir is as it was before it (and the next, fixed command takes it).
+    Only a dir that held no run before is ever withdrawn (session._run)."""
+    remove_run(run_dir)
+    for name in (".hydra", "train.log"):
+        path = run_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    if _unlink_if_free(run_dir / files.RUN_LOCK):
+        try:
+            run_dir.rmdir()
+        except OSError:  # files that are not the run's (the user's own): they stay, and the dir
+            pass
 
 
 def _unlink_if_free(lock: Path) -> bool:
@@ -260,7 +293,8 @@ class Journal:
             return
         from mixprec.core import launch
 
-        hydra_files = launch.hydra_files(cfg)
+        # outside Hydra (mixprec.train from Python) the config alone, as the study reads it
+        hydra_files = launch.hydra_files(cfg) or {"config.yaml": OmegaConf.to_yaml(cfg)}
         if hydra_files:
             (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
             for name, text in hydra_files.items():

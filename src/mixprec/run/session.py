@@ -24,6 +24,7 @@ from mixprec.compile import compiling
 from mixprec.core import files, hardware, launch, metrics, process
 from mixprec.core.errors import (
     CheckpointError,
+    ConfigError,
     DiskFull,
     Diverged,
     MixprecError,
@@ -111,6 +112,10 @@ def run(cfg: DictConfig) -> dict:
         raise
     finally:
         journal.close(run_dir)
+        refused = sys.exc_info()[1]
+        if getattr(refused, "withdraw", False):
+            rundir.withdraw(run_dir)
+            log.info("nothing of the refused run is kept in %s", run_dir)
 
 
 def left_to_another(e: MixprecError, cfg) -> bool:
@@ -140,11 +145,17 @@ def _run(cfg: DictConfig, journal: rundir.Journal) -> dict:
         c.run_dir = distributed.broadcast_str(c.run_dir, dd)  # rank 0's Hydra run dir
         run_dir = Path(c.run_dir)
         with rundir.RunDirLock(run_dir) if dd.main else nullcontext():
+            fresh = not rundir.holds_a_run(run_dir)
             if dd.main:
                 rundir.prepare(run_dir, c.resume, c.overwrite)
             accept = (lambda: journal.accept(run_dir, cfg)) if dd.main else (lambda: None)
             resolved = OmegaConf.to_container(cfg, resolve=True)
-            return Session(build.build(c, hw, dd), resolved, accept).train()
+            try:
+                return Session(build.build(c, hw, dd), resolved, accept).train()
+            except ConfigError as e:  # refused at the first step: as if refused before it
+                e.withdraw = fresh and dd.main and getattr(e, "untrained", False)
+                e.withdraw = e.withdraw and not launch.multirun()  # (a job's row reads its dir)
+                raise
     finally:
         distributed.close()
 
@@ -204,6 +215,7 @@ class Session:
             self.error = OutOfMemory(messages.oom_advice(p))
         except MixprecError as e:
             self.error = e
+            e.untrained = blob is None and self.state.step == 0  # nothing of it worth keeping
             raise
         finally:
             self._close(hooks)

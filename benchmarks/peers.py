@@ -1,0 +1,280 @@
+"""mixprec against the loops users would write otherwise, side by side in one process tree on
+whatever device is present: each side of a row is a fresh process, one after another on the
+same GPU, and the table gives mixprec's rate over the peer's.
+
+    python benchmarks/peers.py                         # lm_bf16, lm_fp8 (the 8B slice) on the GPU
+    python benchmarks/peers.py --rows lm_bf16,lm_fp8,vision_amp --out benchmarks/results/peers
+    python benchmarks/peers.py --tiny --rows lm_fp32,lm_bf16   # a CPU-sized model (the test's)
+
+The peers (each runnable alone: `--side peer --row ROW`):
+- lm_*: Hugging Face's LlamaForCausalLM from its config at the row's shape (four of
+  Llama-3-8B's layers; --tiny: llama_tiny's), fused AdamW, bf16 autocast, each decoder layer
+  compiled (on a GPU), random byte tokens; lm_fp8 converts its Linears with torchao's
+  convert_to_float8_training (tensorwise, the lm_head left in bf16) as torchao's README does.
+- vision_amp: Lightning with experiment=fast's recipe (ResNet-50, fp16 mixed precision,
+  channels_last, torch.compile mode reduce-overhead, batch 512, synthetic images on the GPU).
+mixprec's side is train.py with the documented preset (experiment=lm_table model=llama_8b_slice,
+experiment=fast), its summary's steady-state rate. Writes peers.md and peers.json into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SLICE = dict(dim=4096, n_layers=4, n_heads=32, n_kv_heads=8, ffn_dim=14336)  # llama_8b_slice
+TINY = dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384)  # llama_tiny
+ROWS = {  # row: (kind, precision)
+    "lm_fp32": ("lm", "fp32"),
+    "lm_bf16": ("lm", "bf16"),
+    "lm_fp8": ("lm", "fp8"),
+    "vision_amp": ("vision", "amp"),
+}
+
+
+def lm_shape(tiny: bool) -> dict:
+    return dict(TINY if tiny else SLICE, seq=64 if tiny else 4096, batch=2, vocab=256)
+
+
+def peer_lm(precision: str, steps: int, warmup: int, tiny: bool, device: str) -> dict:
+    """The plain Hugging Face loop: tokens/s over `steps` after `warmup`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    s = lm_shape(tiny)
+    cfg = LlamaConfig(
+        vocab_size=s["vocab"],
+        hidden_size=s["dim"],
+        intermediate_size=s["ffn_dim"],
+        num_hidden_layers=s["n_layers"],
+        num_attention_heads=s["n_heads"],
+        num_key_value_heads=s["n_kv_heads"],
+        max_position_embeddings=s["seq"],
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device)
+    if precision == "fp8":
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != "lm_head")
+    gpu = device.startswith("cuda")
+    if gpu:
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = torch.compile(layer)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), fused=gpu)
+    dtype = None if precision == "fp32" else torch.bfloat16
+    ids = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), device=device)
+
+    def step():
+        with torch.autocast(device.split(":")[0], dtype=dtype, enabled=dtype is not None):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(warmup):
+        step()
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    sync()
+    secs = time.perf_counter() - t
+    return {"rate": steps * s["batch"] * s["seq"] / secs, "unit": "tokens/s", "loss": loss.item()}
+
+
+def peer_vision(steps: int, warmup: int) -> dict:
+    """Lightning, experiment=fast's recipe, synthetic images: img/s after `warmup` steps."""
+    import lightning as L
+    import timm
+    import torch
+
+    batch = 512
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = timm.create_model("resnet50", num_classes=1000)
+
+        def training_step(self, b, i):
+            x, y = b
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, fused=True)
+
+    class Synthetic(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            x = torch.randn(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
+            y = torch.randint(0, 1000, (batch,), device="cuda")
+            while True:
+                yield x, y
+
+    class Clock(L.Callback):
+        def __init__(self) -> None:
+            self.t = None
+
+        def on_train_batch_start(self, trainer, module, b, i):
+            if i == warmup:
+                torch.cuda.synchronize()
+                self.t = time.perf_counter()
+
+    net = Net().to(memory_format=torch.channels_last)
+    net.net = torch.compile(net.net, mode="reduce-overhead")
+    clock = Clock()
+    trainer = L.Trainer(
+        max_steps=warmup + steps,
+        precision="16-mixed",
+        accelerator="gpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[clock],
+    )
+    loader = torch.utils.data.DataLoader(Synthetic(), batch_size=None)
+    trainer.fit(net, loader)
+    torch.cuda.synchronize()
+    return {"rate": steps * batch / (time.perf_counter() - clock.t), "unit": "img/s"}
+
+
+def mixprec_args(row: str, steps: int, warmup: int, tiny: bool) -> list[str]:
+    kind, precision = ROWS[row]
+    if kind == "vision":
+        return ["experiment=fast", f"trainer.max_steps={steps + warmup}"]
+    base = ["experiment=lm_table", "hydra.mode=RUN", f"precision={precision}", "logger=none"]
+    base += [f"trainer.max_steps={steps + warmup}", f"trainer.perf_warmup_steps={warmup}"]
+    base += ["debug.memory=false", f"trainer.log_every={max(1, steps // 4)}"]
+    if tiny:  # llama_tiny's shape on a CPU: no compile, as the peer
+        return [
+            *base,
+            "model=llama_tiny",
+            "data.seq_len=64",
+            "hardware=cpu",
+            "needs_gpu=false",
+            "model.compile=false",
+            "data.epoch_sequences=2000",
+            "data.val_sequences=2",
+        ]
+    return [*base, "model=llama_8b_slice"]
+
+
+def run_side(side: str, row: str, a) -> dict:
+    """One side of a row in a fresh process: the peer (this file, --side peer) or train.py."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if side == "peer":
+            out = Path(tmp) / "peer.json"
+            cmd = [sys.executable, __file__, "--side", "peer", "--row", row, "--json", str(out)]
+            cmd += ["--steps", str(a.steps), "--warmup", str(a.warmup), "--device", a.device]
+            cmd += ["--tiny"] if a.tiny else []
+        else:
+            cmd = [
+                sys.executable,
+                str(ROOT / "train.py"),
+                *mixprec_args(row, a.steps, a.warmup, a.tiny),
+            ]
+            cmd += [f"hydra.run.dir={tmp}/run"]
+        t = time.perf_counter()
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        if p.returncode != 0:
+            tail = (p.stdout + p.stderr)[-1500:]
+            return {"error": f"exit {p.returncode}: {tail}", "wall_s": wall}
+        if side == "peer":
+            return {**json.loads(out.read_text()), "wall_s": wall}
+        s = json.loads((Path(tmp) / "run" / "summary.json").read_text())
+        unit = "tokens/s" if s.get("tokens_per_s") else "img/s"
+        rate = s.get("tokens_per_s") or s.get("samples_per_s")
+        if rate is None:
+            return {
+                "error": "no steady-state rate in summary.json (too few steps?)",
+                "wall_s": wall,
+            }
+        return {"rate": rate, "unit": unit, "mfu": s.get("mfu"), "wall_s": wall}
+
+
+def table(results: dict) -> str:
+    lines = [
+        "| row | peer | mixprec | mixprec / peer | mixprec MFU | wall s (peer, mixprec) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row, r in results.items():
+        peer, mine = r["peer"], r["mixprec"]
+        if "error" in peer or "error" in mine:
+            lines.append(
+                f"| {row} | {peer.get('error', '')[:80]} | {mine.get('error', '')[:80]} | - | - | - |"
+            )
+            continue
+        mfu = "-" if mine.get("mfu") is None else f"{mine['mfu']:.3f}"
+        lines.append(
+            f"| {row} | {peer['rate']:,.0f} {peer['unit']} | {mine['rate']:,.0f} {mine['unit']} | "
+            f"**{mine['rate'] / peer['rate']:.3f}** | {mfu} | {peer['wall_s']:.0f}, {mine['wall_s']:.0f} |"
+        )
+    for side in ("peer", "mixprec"):
+        b, f = results.get("lm_bf16", {}).get(side), results.get("lm_fp8", {}).get(side)
+        if b and f and "rate" in b and "rate" in f:
+            lines.append(f"\n{side}: fp8 / bf16 = {f['rate'] / b['rate']:.3f}")
+    return "\n".join(lines) + "\n"
+
+
+def device_note() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    return f"CPU, torch {torch.__version__}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="lm_bf16,lm_fp8", help=f"of {', '.join(ROWS)}")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps a side")
+    ap.add_argument("--warmup", type=int, default=10, help="steps before the timing")
+    ap.add_argument("--tiny", action="store_true", help="llama_tiny's shape (a CPU)")
+    ap.add_argument("--device", default="cuda", help="the peer's device (cuda or cpu)")
+    ap.add_argument("--out", type=Path, default=None, help="folder for peers.md / peers.json")
+    ap.add_argument("--side", choices=("peer",), help=argparse.SUPPRESS)
+    ap.add_argument("--row", help=argparse.SUPPRESS)
+    ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.side == "peer":
+        kind, precision = ROWS[a.row]
+        got = (
+            peer_vision(a.steps, a.warmup)
+            if kind == "vision"
+            else peer_lm(precision, a.steps, a.warmup, a.tiny, a.device)
+        )
+        a.json.write_text(json.dumps(got))
+        return
+    rows = a.rows.split(",")
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        ap.error(f"--rows: {unknown} not among {list(ROWS)}")
+    results = {}
+    for row in rows:  # the two sides one after another: each alone on the device
+        results[row] = {"peer": run_side("peer", row, a), "mixprec": run_side("mixprec", row, a)}
+        print(row, json.dumps(results[row]), flush=True)
+    text = f"# mixprec against its peers ({device_note()}, {time.strftime('%Y-%m-%d')})\n\n"
+    text += f"`python benchmarks/peers.py {' '.join(sys.argv[1:])}`\n\n" + table(results)
+    print(text)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "peers.md").write_text(text)
+        (a.out / "peers.json").write_text(json.dumps(results, indent=1))
+    if any("error" in side for r in results.values() for side in r.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

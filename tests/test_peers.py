@@ -1,0 +1,56 @@
+"""benchmarks/peers.py, the side-by-side command, on a CPU-sized model: each side of a row runs
+in its own process and the table's ratio is the two sides' measured rates."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+@pytest.mark.slow
+def test_the_side_by_side_command_writes_the_ratio_of_its_two_measured_rates(tmp_path):
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "peers.py"),
+            "--tiny",
+            "--device",
+            "cpu",
+            "--rows",
+            "lm_fp32",
+            "--steps",
+            "10",
+            "--warmup",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
+    got = json.loads((tmp_path / "peers.json").read_text())["lm_fp32"]
+    peer, mine = got["peer"]["rate"], got["mixprec"]["rate"]
+    assert peer > 0 and mine > 0 and got["peer"]["unit"] == got["mixprec"]["unit"] == "tokens/s"
+    row = next(
+        line for line in (tmp_path / "peers.md").read_text().splitlines() if "| lm_fp32 |" in line
+    )
+    assert float(re.search(r"\*\*([\d.]+)\*\*", row).group(1)) == pytest.approx(
+        mine / peer, abs=6e-4
+    )
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--rows", "lm_fp64"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "lm_fp64" in bad.stderr and "lm_bf16" in bad.stderr
