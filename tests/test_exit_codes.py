@@ -152,6 +152,12 @@ DRIVEN_HERE = {
 # rows whose fault takes a subprocess signalled mid-run, a full disk or a GPU: the test that
 # drives it end to end, and the code it asserts there
 DRIVEN_ELSEWHERE = {
+    "a dict sample past the first": (
+        "test_own_code_errors.py::test_a_dict_sample_past_the_first_without_its_target_is_named_by_its_index"
+    ),
+    "your dataset's `collate_fn` raising": (
+        "test_own_code_errors.py::test_your_collate_fn_raising_mid_run_is_one_line_and_the_last_checkpoint_stays"
+    ),
     "the disk fills up": (
         "test_disk_full.py::test_a_checkpoint_that_fills_the_disk_fails_clearly_and_resumes"
     ),

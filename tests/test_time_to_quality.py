@@ -681,3 +681,20 @@ def test_the_long_study_read_again_counts_no_reaching_seed_as_censored(tmp_path)
     seed4 = next(s for s in old["seeds"] if (s.precision, s.seed) == ("fp8", 4))
     assert old["rows"][1].censored == [] and 1050 < seed4.steps_to < 1100
     assert len(old["unfitted"]) == 10  # no val/loss_noise in these runs: no fit can be checked
+
+
+def test_a_finished_run_resumed_again_leaves_its_files_bytes_and_mtimes_as_they_were(cfg_factory):
+    """resume=auto of a run that completed (a finished study run again): nothing trains, and
+    no file of the run is rewritten, metrics.jsonl included (it kept every row)."""
+    import os
+
+    cfg = cfg_factory(*VAL)
+    assert run.run(cfg)["status"] == "completed"
+    run_dir = Path(cfg.run_dir)
+    before = {
+        p: (p.read_bytes(), os.stat(p).st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()
+    }
+    run.run(cfg_factory(*VAL, "resume=auto", f"run_dir={run_dir}"))
+    after = {p: (p.read_bytes(), os.stat(p).st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()}
+    changed = [str(p.relative_to(run_dir)) for p in before if before[p] != after.get(p)]
+    assert changed == [] and set(after) == set(before)

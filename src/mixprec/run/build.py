@@ -1,6 +1,7 @@
 """The one builder: turns the validated config into the parts of a run (device, batch layout,
-data, model, optimizer, schedule, loop plan) and says what it built. With run.py, the only
-reader of the config: everything it builds gets plain objects and numbers."""
+data, model, optimizer, schedule, loop plan) and says what it built. With session.py (which
+calls it), the only reader of the config (run/): everything it builds gets plain objects and
+numbers."""
 
 from __future__ import annotations
 

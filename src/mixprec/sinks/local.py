@@ -172,4 +172,6 @@ def drop_rows_after(path: Path, step: int, evaluated: bool = False) -> None:
         )
 
     rows = [row for row in read_jsonl(path) if keep(row)]
-    files.write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if text.encode() != path.read_bytes():  # a resume that drops nothing touches nothing
+        files.write_atomic(path, text)
