@@ -389,3 +389,45 @@ def test_a_loss_refused_at_its_first_call_leaves_nothing_and_the_fixed_command_r
     good = run_train(args, env_extra=env)
     assert good.returncode == 0, (good.stdout + good.stderr)[-2000:]
     assert (run_dir / "summary.json").is_file() and not (run_dir / ".lock").exists()
+
+
+@pytest.mark.parametrize(
+    "precision,said",
+    [
+        ("amp", "and the loss computed from them is not (nan): your loss function"),
+        ("fp32", "an earlier step overflowed, or your loss function"),
+    ],
+)
+def test_a_loss_function_that_returns_nan_is_named_as_the_cause(tmp_path, precision, said):
+    """The user's loss returns NaN from step 6 on while the model's outputs stay finite: the
+    run stops (exit 3) and the doctor names the loss function, not the loss scale (amp: the
+    weights are still finite, the step is re-run) nor only an earlier overflow (fp32: the NaN
+    already reached the weights)."""
+    name = module(
+        tmp_path,
+        """
+        import torch.nn.functional as F
+        calls = 0
+
+        def nan_after(logits, targets):
+            global calls
+            calls += 1
+            loss = F.cross_entropy(logits, targets)
+            return loss * float("nan") if calls > 5 else loss
+        """,
+    )
+    p = run_train(
+        [
+            "hardware=cpu",
+            "logger=none",
+            f"precision={precision}",
+            "trainer.max_steps=20",
+            f"model.loss={name}:nan_after",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        env_extra={"PYTHONPATH": str(tmp_path)},
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 3, out[-2000:]
+    assert said in out and f"(model.loss={name}:nan_after)" in out
+    assert "the loss scale itself overflowed" not in out

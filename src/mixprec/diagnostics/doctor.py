@@ -149,8 +149,13 @@ def locate(learner, micro_batches: list, scale: float) -> dict:
 
     model = unwrap(learner.model)  # not DDP's forward: no collective on one rank's re-run
     broken = _nonfinite_params(model)
-    if broken:
-        return {"where": "weights", "loss_scale": scale, "nonfinite_params": broken[:8]}
+    if broken:  # (the type: who computes the loss, which an earlier step's NaN may have been)
+        return {
+            "where": "weights",
+            "loss_scale": scale,
+            "nonfinite_params": broken[:8],
+            "type": None if learner.uses_task_loss else _who(learner),
+        }
     prec = learner.precision
     limit = FP16_MAX if prec.dtype is torch.float16 else math.inf
     found: dict = {"where": "none"}
@@ -159,16 +164,44 @@ def locate(learner, micro_batches: list, scale: float) -> dict:
             watch = _Watch(model, limit)
             try:
                 with prec.autocast():
-                    loss = learner.batch_loss(x, y, model)[1]
-                if watch.forward is None and loss.requires_grad:
+                    logits, loss = learner.batch_loss(x, y, model)
+                made = _loss_made_it(learner, logits, loss) if watch.forward is None else None
+                if watch.forward is None and made is None and loss.requires_grad:
                     (loss.float() * scale).backward()
             finally:
                 watch.close()
-            found = watch.forward or watch.backward or watch.scale_overflow() or found
+            found = watch.forward or made or watch.backward or watch.scale_overflow() or found
             if found["where"] != "none":
                 found["loss"] = float(loss.detach())
                 break
     return {**found, "loss_scale": scale, "nonfinite_params": []}
+
+
+def _who(learner) -> str:
+    if learner.own_loss:
+        return "the model's own loss (model.loss=own)"
+    spec = getattr(learner.loss_fn, "spec", None)
+    return f"your loss function (model.loss={spec})" if learner.loss_fn else "the task's loss"
+
+
+def _loss_made_it(learner, logits, loss: torch.Tensor) -> dict | None:
+    """A finding where the model's outputs are finite and the loss computed from them is not:
+    the loss made it (your model.loss function, or the model's own), no layer did."""
+    biggest = _max_abs(_tensors(logits))
+    if not math.isfinite(biggest) or bool(torch.isfinite(loss.detach()).all()):
+        return None
+    return {
+        "where": "loss",
+        "module": "loss",
+        "type": _who(learner),
+        "dtype": str(loss.dtype).replace("torch.", ""),
+        "max_abs_in": biggest,
+        "max_abs_out": math.inf,
+    }
+
+
+def _or_the_loss(f: dict) -> str:
+    return f", or {f['type']} returned a non-finite loss" if f.get("type") else ""
 
 
 def sentence(f: dict) -> str:
@@ -194,11 +227,18 @@ def sentence(f: dict) -> str:
             "GradScaler skips the step and halves the scale. Many such skips at the start: "
             "scaler=conservative (init_scale 4096) starts lower"
         )
+    elif f["where"] == "loss":
+        text = (
+            f"the model's outputs are finite (max |y| {float(f['max_abs_in']):.4g}) and the loss "
+            f"computed from them is not ({f['loss']}): {f['type']}"
+            " made it, no layer did"
+        )
     elif f["where"] == "weights":
         text = (
             f"the weights are already non-finite ({', '.join(f['nonfinite_params'])}): an "
-            "earlier step overflowed. To see where, resume from the last checkpoint with "
-            "debug.locate=true (it re-runs each non-finite step before the weights move)"
+            f"earlier step overflowed{_or_the_loss(f)}. "
+            "To see where, resume from the last checkpoint with debug.locate=true (it re-runs "
+            "each non-finite step before the weights move and names the loss where it made it)"
         )
     else:
         text = "re-run, every activation and gradient stayed finite (not reproduced)"
