@@ -4,6 +4,8 @@
     python3 benchmarks/profile_step.py                           # experiment=fast (ResNet-50, amp, compiled)
     python3 benchmarks/profile_step.py model.compile=false        # the eager step
     python3 benchmarks/profile_step.py +model.compile_options.coordinate_descent_tuning=true
+    python3 benchmarks/profile_step.py --groups lm --base experiment=lm_table hydra.mode=RUN \
+        model=llama_8b_slice precision=bf16        # the LM step (GEMMs, attention, norms, loss)
 
 Prints the step's rate (timed without the profiler), then a table: GPU time per step by kernel
 group (convolution, GEMM, BatchNorm, elementwise/fused, optimizer, GradScaler, copies, other)
@@ -38,9 +40,21 @@ GROUPS = [  # first match wins; names as cuDNN, cuBLAS, inductor (triton_*) and 
 ]
 
 
-def group_of(name: str) -> str:
+LM_GROUPS = [  # a decoder's step: compiled blocks (inductor), eager head and loss
+    ("fp8 GEMM (torch._scaled_mm)", r"f8|e4m3|e5m2|scaled_mm"),
+    ("attention (flash / cuDNN / efficient SDPA)", r"flash|fmha|attention|sdpa|cudnn"),
+    ("GEMM, bf16/fp32 (cuBLAS, cutlass)", r"gemm|nvjet|cublas|cutlass|xmma"),
+    ("inductor reductions (RMSNorm, fp8 amax, loss)", r"^triton_(red|per)_"),
+    ("inductor pointwise (SwiGLU, RoPE, casts, fp8 scaling)", r"^triton_poi_"),
+    ("cross-entropy / log-softmax (aten, the head's loss)", r"softmax|nll_loss|cross_entropy"),
+    ("optimizer (fused AdamW) and grad-norm clipping", r"multi_tensor|adam|norm|foreach"),
+    ("copies / memset / casts (aten)", r"memcpy|memset|copy|elementwise|cast|fill"),
+]
+
+
+def group_of(name: str, groups=None) -> str:
     low = name.lower()
-    for group, pattern in GROUPS:
+    for group, pattern in groups or GROUPS:
         if re.search(pattern, low):
             return group
     return "other"
@@ -65,6 +79,7 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--trace", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "profile_step.json")
+    ap.add_argument("--groups", choices=("vision", "lm"), default="vision", help="kernel groups")
     a = ap.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
     from torch.profiler import ProfilerActivity, profile
@@ -106,7 +121,7 @@ def main() -> None:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     per_group: dict[str, float] = {}
     for e in kernels:
-        g = group_of(e.name)
+        g = group_of(e.name, LM_GROUPS if a.groups == "lm" else GROUPS)
         per_group[g] = per_group.get(g, 0.0) + e.device_time / 1e3 / a.profile_steps
     busy = busy_union([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3
     busy /= a.profile_steps
@@ -125,6 +140,9 @@ def main() -> None:
         "warmup_s": round(warm_s, 1),
         "step_ms": round(step_ms, 2),
         "images_per_s": round(batch / step_ms * 1e3),
+        "tokens_per_s": round(batch * getattr(c.data, "seq_len", 0) / step_ms * 1e3)
+        if a.groups == "lm"
+        else None,
         "profiled_step_ms": round(prof_ms, 2),
         "kernel_ms_per_step": {
             g: round(v, 2) for g, v in sorted(per_group.items(), key=lambda kv: -kv[1])
