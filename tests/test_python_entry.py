@@ -62,6 +62,21 @@ def test_a_builder_gets_the_runs_facts_and_a_sweep_writes_its_report(user, tmp_p
     assert "| fp32 |" in report and "| bf16 |" in report
 
 
+def test_an_objects_key_that_reads_as_a_number_still_reaches_the_run(user, tmp_path, monkeypatch):
+    """The key that carries your objects is a Hydra override value: a uuid whose hex prefix is
+    digits around one 'e' (9e99999999..) was parsed as the float inf and refused (CI, round 6)."""
+    import uuid
+
+    own_models, own_data = user
+    n = iter(range(10))  # the model's and the data's keys: each 9e99999999N...
+    fake = lambda: uuid.UUID(f"9e999999999{next(n)}40008000000000000000")  # noqa: E731
+    monkeypatch.setattr(uuid, "uuid4", fake)
+    s = mixprec.train(
+        model=own_models.plain_mlp, data=own_data.blobs(), overrides=CPU, run_dir=tmp_path / "r"
+    )
+    assert s["status"] == "completed"
+
+
 @pytest.mark.parametrize(
     "kwargs, needle",
     [

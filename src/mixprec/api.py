@@ -277,7 +277,9 @@ def _shown(obj) -> str:
 
 
 def _keep(obj, keys: list) -> str:
-    key = uuid.uuid4().hex[:12]  # its own key: the data loader's cache keys on it
+    # its own key (the data loader's cache keys on it), never a number to Hydra's grammar:
+    # a bare hex like 9e99999999 would be read as the float inf
+    key = "k" + uuid.uuid4().hex[:12]
     _OBJECTS[key] = obj
     keys.append(key)
     return key
