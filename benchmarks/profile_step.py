@@ -60,6 +60,29 @@ def group_of(name: str, groups=None) -> str:
     return "other"
 
 
+MATMUL_GROUPS = ("GEMM", "attention", "convolution")  # the kernels the FLOP count is made of
+
+
+def roofline(parts, batch: int, step_ms: float, per_group: dict) -> dict:
+    """The step against its own roofline: the run's counted training FLOPs (those MFU uses) at
+    the dense peak of its precision (fp8: float8 and bf16 blended by FLOP share), beside the
+    time its matmul, attention and convolution kernels took. What is left between the two is
+    the non-matmul kernels, the GPU's idle time and the matmuls' own shortfall from peak."""
+    if not (parts.flops_per_sample and parts.peak_tflops):
+        return {}
+    flops = parts.flops_per_sample * batch
+    ideal = flops / (parts.peak_tflops * 1e12) * 1e3
+    matmul = sum(v for g, v in per_group.items() if any(k in g for k in MATMUL_GROUPS))
+    return {
+        "flops_per_step": flops,
+        "peak_tflops": parts.peak_tflops,
+        "roofline_ms_per_step": round(ideal, 2),
+        "mfu_profiled": round(ideal / step_ms, 4),
+        "matmul_kernel_ms": round(matmul, 2),
+        "matmul_kernels_at_peak": round(ideal / matmul, 4) if matmul else None,
+    }
+
+
 def busy_union(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, -1.0
     for a, b in sorted(intervals):
@@ -151,16 +174,28 @@ def main() -> None:
         "gpu_busy_ms_per_step": round(busy, 2),
         "idle_ms_per_step": round(prof_ms - busy, 2),
         "top_kernels_ms": [[round(t, 3), n[:120]] for t, n in top],
+        **roofline(parts, batch, prof_ms, per_group),
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2))
     if a.trace:
         prof.export_chrome_trace(str(a.trace))
     print(json.dumps(result, indent=2))
-    print(
-        f"\n{result['gpu']}: {' '.join(result['config'])}, batch {batch}: "
-        f"{result['images_per_s']:,} img/s, {step_ms:.1f} ms/step"
+    rate = (
+        f"{result['tokens_per_s']:,} tokens/s"
+        if a.groups == "lm"
+        else f"{result['images_per_s']:,} img/s"
     )
+    print(
+        f"\n{result['gpu']}: {' '.join(result['config'])}, batch {batch}: {rate}, {step_ms:.1f} ms/step"
+    )
+    if result.get("roofline_ms_per_step"):
+        print(
+            f"the step's FLOPs at the dense peak ({parts.peak_tflops:.0f} TFLOP/s): "
+            f"{result['roofline_ms_per_step']:.2f} ms (MFU {result['mfu_profiled']:.3f}); "
+            f"its matmul and attention kernels ran {result['matmul_kernel_ms']:.2f} ms, "
+            f"{result['matmul_kernels_at_peak']:.0%} of peak while they ran"
+        )
     print("| kernels | ms per step | share of the step |\n|---|---|---|")
     for g, v in result["kernel_ms_per_step"].items():
         print(f"| {g} | {v:.2f} | {v / prof_ms:.1%} |")

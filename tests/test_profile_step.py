@@ -1,0 +1,75 @@
+"""benchmarks/profile_step.py's reading of a profile: kernels by the names cuBLAS, torchao,
+flash attention and inductor give them, and the step set against its FLOPs at the dense peak."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import ROOT
+
+
+def _profile_step():
+    spec = importlib.util.spec_from_file_location(
+        "profile_step", ROOT / "benchmarks" / "profile_step.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(
+    "kernel, group",
+    [
+        ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128", "fp8 GEMM"),
+        ("nvjet_tst_256x128_64x4_2x1_v_bz_coopB_TNT", "GEMM, bf16"),
+        ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<>", "attention"),
+        ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "inductor reductions"),
+        ("triton_poi_fused_mul_silu_1", "inductor pointwise"),
+        ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4>", "cross-entropy"),
+        ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+        ("Memcpy DtoD (Device -> Device)", "copies"),
+        ("some_kernel_nobody_named", "other"),
+    ],
+)
+def test_an_lm_steps_kernels_fall_in_their_groups(kernel, group):
+    assert _profile_step().group_of(kernel, _profile_step().LM_GROUPS).startswith(group)
+
+
+def test_the_step_is_set_against_its_flops_at_the_dense_peak():
+    prof = _profile_step()
+    parts = SimpleNamespace(flops_per_sample=6e12, peak_tflops=1000.0)
+    groups = {"GEMM, bf16/fp32": 9.0, "attention (flash)": 3.0, "inductor pointwise": 5.0}
+    r = prof.roofline(parts, 2, 20.0, groups)  # 1.2e13 FLOPs at 1e15 FLOP/s: 12 ms
+    assert r["roofline_ms_per_step"] == 12.0 and r["mfu_profiled"] == 0.6
+    assert r["matmul_kernel_ms"] == 12.0 and r["matmul_kernels_at_peak"] == 1.0
+    assert (
+        prof.roofline(SimpleNamespace(flops_per_sample=None, peak_tflops=None), 2, 20.0, {}) == {}
+    )
+
+
+@pytest.mark.slow
+def test_the_lm_profile_runs_a_tiny_decoder_on_the_cpu(tmp_path):
+    out = tmp_path / "p.json"
+    args = ["--groups", "lm", "--base", "model=llama_tiny", "data=text", "hardware=cpu"]
+    args += ["data.seq_len=32", "batch=2", "model.compile=false", "--warmup", "1", "--steps", "2"]
+    args += ["--profile-steps", "1", "--out", str(out)]
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
+    got = json.loads(out.read_text())
+    # tokens/s is batch x seq_len over the timed step (both rounded: to 1 and to 0.01 ms)
+    assert (
+        abs(got["tokens_per_s"] - 2 * 32 / got["step_ms"] * 1e3) <= 0.5 + 1e-3 * got["tokens_per_s"]
+    )
+    assert "tokens/s" in p.stdout
