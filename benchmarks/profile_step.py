@@ -68,16 +68,19 @@ def roofline(parts, batch: int, step_ms: float, per_group: dict) -> dict:
     the dense peak of its precision (fp8: float8 and bf16 blended by FLOP share), beside the
     time its matmul, attention and convolution kernels took. What is left between the two is
     the non-matmul kernels, the GPU's idle time and the matmuls' own shortfall from peak."""
+    from mixprec.models import flops as counted
+
     if not (parts.flops_per_sample and parts.peak_tflops):
         return {}
     flops = parts.flops_per_sample * batch
     ideal = flops / (parts.peak_tflops * 1e12) * 1e3
     matmul = sum(v for g, v in per_group.items() if any(k in g for k in MATMUL_GROUPS))
+    mfu = counted.mfu(parts.flops_per_sample, batch / step_ms * 1e3, parts.peak_tflops)
     return {
         "flops_per_step": flops,
         "peak_tflops": parts.peak_tflops,
         "roofline_ms_per_step": round(ideal, 2),
-        "mfu_profiled": round(ideal / step_ms, 4),
+        "mfu_profiled": round(mfu, 4),  # the run's own MFU, at the profiled step's rate
         "matmul_kernel_ms": round(matmul, 2),
         "matmul_kernels_at_peak": round(ideal / matmul, 4) if matmul else None,
     }

@@ -14,7 +14,8 @@ import pytest
 from conftest import ROOT
 
 
-def _profile_step():
+@pytest.fixture(scope="module")
+def prof():
     spec = importlib.util.spec_from_file_location(
         "profile_step", ROOT / "benchmarks" / "profile_step.py"
     )
@@ -37,12 +38,11 @@ def _profile_step():
         ("some_kernel_nobody_named", "other"),
     ],
 )
-def test_an_lm_steps_kernels_fall_in_their_groups(kernel, group):
-    assert _profile_step().group_of(kernel, _profile_step().LM_GROUPS).startswith(group)
+def test_an_lm_steps_kernels_fall_in_their_groups(prof, kernel, group):
+    assert prof.group_of(kernel, prof.LM_GROUPS).startswith(group)
 
 
-def test_the_step_is_set_against_its_flops_at_the_dense_peak():
-    prof = _profile_step()
+def test_the_step_is_set_against_its_flops_at_the_dense_peak(prof):
     parts = SimpleNamespace(flops_per_sample=6e12, peak_tflops=1000.0)
     groups = {"GEMM, bf16/fp32": 9.0, "attention (flash)": 3.0, "inductor pointwise": 5.0}
     r = prof.roofline(parts, 2, 20.0, groups)  # 1.2e13 FLOPs at 1e15 FLOP/s: 12 ms
