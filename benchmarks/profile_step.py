@@ -41,11 +41,20 @@ GROUPS = [  # first match wins; names as cuDNN, cuBLAS, inductor (triton_*) and 
 
 
 LM_GROUPS = [  # a decoder's step: compiled blocks (inductor), eager head and loss
-    ("fp8 GEMM (torch._scaled_mm)", r"f8|e4m3|e5m2|scaled_mm"),
+    # torch._scaled_mm's GEMMs: cuBLAS names its float8 kernels nvjet_sm90_qqtst_.. and
+    # nvjet_sm90_qrtst_.. (bf16's are nvjet_sm90_tst_..), cutlass's carry e4m3 / e5m2
+    ("fp8 GEMM (torch._scaled_mm)", r"^nvjet_sm\d+_q|e4m3|e5m2"),
     ("attention (flash / cuDNN / efficient SDPA)", r"flash|fmha|attention|sdpa|cudnn"),
     ("GEMM, bf16/fp32 (cuBLAS, cutlass)", r"gemm|nvjet|cublas|cutlass|xmma"),
-    ("inductor reductions (RMSNorm, fp8 amax, loss)", r"^triton_(red|per)_"),
-    ("inductor pointwise (SwiGLU, RoPE, casts, fp8 scaling)", r"^triton_poi_"),
+    # inductor names a fused kernel after the ops it holds: fp8's amax, scale (a clamped
+    # reciprocal) and cast, fused into the RMSNorm or SwiGLU they follow, name scaled_mm's
+    # inputs or the reciprocal; their time is what fp8 adds to the step
+    (
+        "fp8 scaling: amax, scale, cast (inductor, fused)",
+        r"^triton_.*(scaled_mm|abs_max|reciprocal)",
+    ),
+    ("inductor reductions (RMSNorm, loss)", r"^triton_(red|per)_"),
+    ("inductor pointwise (SwiGLU, RoPE, casts)", r"^triton_poi_"),
     ("cross-entropy / log-softmax (aten, the head's loss)", r"softmax|nll_loss|cross_entropy"),
     ("optimizer (fused AdamW) and grad-norm clipping", r"multi_tensor|adam|norm|foreach"),
     ("copies / memset / casts (aten)", r"memcpy|memset|copy|elementwise|cast|fill"),
@@ -58,6 +67,16 @@ def group_of(name: str, groups=None) -> str:
         if re.search(pattern, low):
             return group
     return "other"
+
+
+def device_kernels(events) -> list:
+    """The kernels that ran on the GPU. Kineto also puts each record_function range (as
+    Optimizer.step#AdamW.step) on the GPU's timeline, spanning the kernels it launched: counted
+    as a kernel it would count the optimizer twice (torch's own totals leave them out too)."""
+    cuda = torch.autograd.DeviceType.CUDA
+    return [
+        e for e in events if e.device_type == cuda and not getattr(e, "is_user_annotation", False)
+    ]
 
 
 MATMUL_GROUPS = ("GEMM", "attention", "convolution")  # the kernels the FLOP count is made of
@@ -144,7 +163,7 @@ def main() -> None:
         steps(a.profile_steps)
         sync()
         prof_ms = 1e3 * (time.perf_counter() - t0) / a.profile_steps
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = device_kernels(prof.events())
     per_group: dict[str, float] = {}
     for e in kernels:
         g = group_of(e.name, LM_GROUPS if a.groups == "lm" else GROUPS)
