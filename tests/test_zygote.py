@@ -189,6 +189,30 @@ def test_a_signal_before_the_relay_knows_its_child_is_held_and_forwarded(tmp_pat
     assert not Path(f"/proc/{child}").exists()
 
 
+def test_a_client_gone_before_its_child_leads_a_session_takes_the_child_with_it(tmp_path):
+    """The client hung up after the pid's reply but before its child's setsid (a loaded
+    machine, where the suite's full run failed once): the server killed the child's group, which
+    did not exist yet, and the child ran on. Now the child itself goes too."""
+    import socket
+
+    (tmp_path / "probe.py").write_text(PROBE)
+    out, err = open(tmp_path / "out", "w"), open(tmp_path / "err", "w")
+    env = {**os.environ, "RANK": "1", zygote.SETSID_DELAY_ENV: "3"}
+    request = {"argv": [str(tmp_path / "probe.py"), "wait"], "cwd": str(tmp_path)}
+    request |= {"env": env, "unbuffered": True}
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(zygote.relay_env()[zygote.SOCKET_ENV])
+    socket.send_fds(sock, [json.dumps(request).encode()], [out.fileno(), err.fileno()])
+    out.close(), err.close()
+    child = json.loads(sock.makefile().readline())["pid"]  # the reply came: the server waits on it
+    sock.close()  # gone while the child has not yet left the server's process group
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{child}/fd").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _holders(tmp_path / "out"), "the child of a client that died runs on"
+    assert relayed(tmp_path, "0").wait(60) == 0, "the server stopped serving"
+
+
 def test_a_client_gone_before_its_reply_leaves_the_zygote_serving_and_no_child(tmp_path):
     """The server wrote the child's pid to a client that had died (killed as it asked): the
     broken pipe ended the server, and every later run of the session failed. Now the child

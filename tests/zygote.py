@@ -88,6 +88,7 @@ SAFE_PREFIXES = ("MIXPREC_TEST_", "TORCHELASTIC_", "NCCL_", "_TORCHINDUCTOR_")
 PYTHON_ENV, SOCKET_ENV = "MIXPREC_TEST_PYTHON", "MIXPREC_TEST_ZYGOTE_SOCKET"
 LOG_ENV = "MIXPREC_TEST_ZYGOTE_LOG"  # a file each child names itself in
 DELAY_ENV = "MIXPREC_TEST_ZYGOTE_REPLY_DELAY"  # seconds the server waits between fork and reply
+SETSID_DELAY_ENV = "MIXPREC_TEST_ZYGOTE_SETSID_DELAY"  # seconds a child waits before its setsid
 RELAY = Path(__file__).resolve().parent / "zygote_python"
 # the zygote's own PYTHONPATH entries: a child's come from its request's environment instead
 BASE_PYTHONPATH = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
@@ -204,8 +205,9 @@ def _client_gone(key: selectors.SelectorKey, sel: selectors.BaseSelector, waitin
             return  # (clients send nothing after their request)
     sel.unregister(key.fileobj)
     if key.data in waiting:
-        with contextlib.suppress(OSError):
-            os.killpg(key.data, signal.SIGKILL)
+        for kill in (os.killpg, os.kill):  # (the child may not lead its own group yet)
+            with contextlib.suppress(OSError):
+                kill(key.data, signal.SIGKILL)
 
 
 def _reap(waiting: dict, sel: selectors.BaseSelector) -> None:
@@ -228,6 +230,7 @@ def _reap(waiting: dict, sel: selectors.BaseSelector) -> None:
 def become(request: dict, home: str) -> None:
     """In the child: take the request's session, output, directory, environment and argv as a
     new `python [-u] SCRIPT ARGS` or `python [-u] -m MODULE ARGS` process would have them."""
+    time.sleep(float(request["env"].get(SETSID_DELAY_ENV, 0)))  # (a loaded machine, in tests)
     os.setsid()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
