@@ -189,21 +189,27 @@ def test_a_signal_before_the_relay_knows_its_child_is_held_and_forwarded(tmp_pat
     assert not Path(f"/proc/{child}").exists()
 
 
-def test_a_client_gone_before_its_child_leads_a_session_takes_the_child_with_it(tmp_path):
-    """The client hung up after the pid's reply but before its child's setsid (a loaded
-    machine, where the suite's full run failed once): the server killed the child's group, which
-    did not exist yet, and the child ran on. Now the child itself goes too."""
+def _ask_zygote(tmp_path, **env: str):
+    """A client's own request for `probe.py wait` (stdout to tmp_path/out), sent straight to
+    the zygote's socket: the connection, for the test to read from or hang up."""
     import socket
 
     (tmp_path / "probe.py").write_text(PROBE)
     out, err = open(tmp_path / "out", "w"), open(tmp_path / "err", "w")
-    env = {**os.environ, "RANK": "1", zygote.SETSID_DELAY_ENV: "3"}
     request = {"argv": [str(tmp_path / "probe.py"), "wait"], "cwd": str(tmp_path)}
-    request |= {"env": env, "unbuffered": True}
+    request |= {"env": {**os.environ, "RANK": "1", **env}, "unbuffered": True}
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(zygote.relay_env()[zygote.SOCKET_ENV])
     socket.send_fds(sock, [json.dumps(request).encode()], [out.fileno(), err.fileno()])
     out.close(), err.close()
+    return sock
+
+
+def test_a_client_gone_before_its_child_leads_a_session_takes_the_child_with_it(tmp_path):
+    """The client hung up after the pid's reply but before its child's setsid (a loaded
+    machine, where the suite's full run failed once): the server killed the child's group, which
+    did not exist yet, and the child ran on. Now the child itself goes too."""
+    sock = _ask_zygote(tmp_path, **{zygote.SETSID_DELAY_ENV: "3"})
     child = json.loads(sock.makefile().readline())["pid"]  # the reply came: the server waits on it
     sock.close()  # gone while the child has not yet left the server's process group
     deadline = time.monotonic() + 30
@@ -217,18 +223,7 @@ def test_a_client_gone_before_its_reply_leaves_the_zygote_serving_and_no_child(t
     """The server wrote the child's pid to a client that had died (killed as it asked): the
     broken pipe ended the server, and every later run of the session failed. Now the child
     goes (no one would wait for it) and the server goes on."""
-    import socket
-
-    (tmp_path / "probe.py").write_text(PROBE)
-    out, err = open(tmp_path / "out", "w"), open(tmp_path / "err", "w")
-    env = {**os.environ, "RANK": "1", zygote.DELAY_ENV: "1"}
-    request = {"argv": [str(tmp_path / "probe.py"), "wait"], "cwd": str(tmp_path)}
-    request |= {"env": env, "unbuffered": True}
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(zygote.relay_env()[zygote.SOCKET_ENV])
-    socket.send_fds(sock, [json.dumps(request).encode()], [out.fileno(), err.fileno()])
-    sock.close()  # gone before the reply
-    out.close(), err.close()
+    _ask_zygote(tmp_path, **{zygote.DELAY_ENV: "1"}).close()  # gone before the reply
     # The child may be ended before it prints (a loaded machine can leave it unscheduled for
     # the whole reply delay), so it is found by what it holds: the stdout the request sent.
     deadline = time.monotonic() + 30

@@ -177,9 +177,7 @@ def _accept(listener: socket.socket, sel: selectors.BaseSelector, waiting: dict)
             waiting[pid] = conn
             sel.register(conn, selectors.EVENT_READ, pid)
         else:  # the client died as it asked (killed): no one waits for the child, so it goes
-            for kill in (os.killpg, os.kill):  # (it may not lead its own group yet)
-                with contextlib.suppress(OSError):
-                    kill(pid, signal.SIGKILL)
+            _kill_child(pid)
             os.waitpid(pid, 0)
             refused = True  # (closed below)
     for fd in fds:
@@ -205,9 +203,15 @@ def _client_gone(key: selectors.SelectorKey, sel: selectors.BaseSelector, waitin
             return  # (clients send nothing after their request)
     sel.unregister(key.fileobj)
     if key.data in waiting:
-        for kill in (os.killpg, os.kill):  # (the child may not lead its own group yet)
-            with contextlib.suppress(OSError):
-                kill(key.data, signal.SIGKILL)
+        _kill_child(key.data)
+
+
+def _kill_child(pid: int) -> None:
+    """SIGKILL a child and its session: the group, and the pid itself, since a child not yet
+    past its setsid leads no group (a loaded machine)."""
+    for kill in (os.killpg, os.kill):
+        with contextlib.suppress(OSError):
+            kill(pid, signal.SIGKILL)
 
 
 def _reap(waiting: dict, sel: selectors.BaseSelector) -> None:
