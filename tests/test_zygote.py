@@ -224,6 +224,11 @@ def test_a_client_gone_before_its_reply_leaves_the_zygote_serving_and_no_child(t
     broken pipe ended the server, and every later run of the session failed. Now the child
     goes (no one would wait for it) and the server goes on."""
     _ask_zygote(tmp_path, **{zygote.DELAY_ENV: "1"}).close()  # gone before the reply
+    # The server takes its requests in turn, so once the next one is served this one has been
+    # dealt with: until the server receives them, the stdout and stderr it was sent are held by
+    # no process (in flight in the socket), and a look for their holders saw none too early.
+    proc = relayed(tmp_path, "3")  # the server still serves
+    assert json.loads(proc.stdout.readline())["preloaded"] and proc.wait(60) == 3
     # The child may be ended before it prints (a loaded machine can leave it unscheduled for
     # the whole reply delay), so it is found by what it holds: the stdout the request sent.
     deadline = time.monotonic() + 30
@@ -233,5 +238,3 @@ def test_a_client_gone_before_its_reply_leaves_the_zygote_serving_and_no_child(t
     printed = (tmp_path / "out").read_text().splitlines()
     if printed:  # it started in time: that pid is gone too
         assert not Path(f"/proc/{json.loads(printed[0])['pid']}").exists()
-    proc = relayed(tmp_path, "3")  # the server still serves
-    assert json.loads(proc.stdout.readline())["preloaded"] and proc.wait(60) == 3
