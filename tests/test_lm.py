@@ -138,6 +138,32 @@ def test_token_files_are_read_as_nanogpt_writes_them(tmp_path):
         tokens.read(cfg, "val")
 
 
+def test_a_validation_split_smaller_than_asked_is_evaluated_whole_and_the_log_says_so(
+    tmp_path, caplog
+):
+    rng = np.random.default_rng(0)
+    root = write_bin(
+        tmp_path / "d",
+        rng.integers(0, 1000, 5000, dtype=np.uint16),
+        np.arange(700, dtype=np.uint16),
+    )  # (700 - 1) // 16 = 43 windows
+    ask = lambda n: group(
+        "data",
+        "tokens",
+        root=str(root),
+        vocab_size=1000,
+        seq_len=16,  # noqa: E731
+        val_sequences=n,
+    )
+    evaluated = lambda data: sum(len(x) for x, _ in data.val)  # noqa: E731
+    with caplog.at_level("WARNING", logger="mixprec.data"):
+        assert evaluated(tokens.build(ask(40), Context(8, torch.device("cpu"), 0))) == 40
+        assert not caplog.records
+        assert evaluated(tokens.build(ask(128), Context(8, torch.device("cpu"), 0))) == 43
+    (record,) = caplog.records
+    assert "data.val_sequences=128" in record.message and "has 43 windows" in record.message
+
+
 @pytest.mark.parametrize(
     "overrides,needle",
     [

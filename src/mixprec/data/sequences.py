@@ -8,6 +8,7 @@ ones for every run (comparable val loss across precisions and batch sizes)."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -15,6 +16,8 @@ import torch
 
 from mixprec.core.errors import ConfigError
 from mixprec.data.base import Context, Data
+
+log = logging.getLogger("mixprec.data")
 
 
 def windows(n_tokens: int, seq_len: int) -> int:
@@ -69,7 +72,19 @@ class TokenLoader:
 
 def token_data(train: np.ndarray, val: np.ndarray, cfg, ctx: Context, vocab: int, task) -> Data:
     """A token dataset's Data: the two streams on the device, an epoch of cfg.epoch_sequences
-    training windows, cfg.val_sequences validation windows (data=text, data=tokens)."""
+    training windows, cfg.val_sequences validation windows (data=text, data=tokens). A split
+    with fewer windows than asked is evaluated whole, and the log says so: the study's advice to
+    raise data.val_sequences must not do nothing in silence."""
+    have = windows(len(val), cfg.seq_len)
+    if cfg.val_sequences > have:
+        log.warning(
+            "data.val_sequences=%d: the validation split has %d windows of data.seq_len=%d, so "
+            "%d are evaluated; a larger split gives more (data=text: data.val_fraction)",
+            cfg.val_sequences,
+            have,
+            cfg.seq_len,
+            have,
+        )
     return Data(
         train=TokenLoader(
             on_device(train, ctx.device), cfg.seq_len, ctx, True, limit=cfg.epoch_sequences
