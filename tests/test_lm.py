@@ -147,15 +147,13 @@ def test_a_validation_split_smaller_than_asked_is_evaluated_whole_and_the_log_sa
         rng.integers(0, 1000, 5000, dtype=np.uint16),
         np.arange(700, dtype=np.uint16),
     )  # (700 - 1) // 16 = 43 windows
-    ask = lambda n: group(
-        "data",
-        "tokens",
-        root=str(root),
-        vocab_size=1000,
-        seq_len=16,  # noqa: E731
-        val_sequences=n,
-    )
-    evaluated = lambda data: sum(len(x) for x, _ in data.val)  # noqa: E731
+
+    def ask(n: int):
+        return group("data", "tokens", root=str(root), vocab_size=1000, seq_len=16, val_sequences=n)
+
+    def evaluated(data) -> int:
+        return sum(len(x) for x, _ in data.val)
+
     with caplog.at_level("WARNING", logger="mixprec.data"):
         assert evaluated(tokens.build(ask(40), Context(8, torch.device("cpu"), 0))) == 40
         assert not caplog.records

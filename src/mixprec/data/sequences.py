@@ -75,23 +75,22 @@ def token_data(train: np.ndarray, val: np.ndarray, cfg, ctx: Context, vocab: int
     training windows, cfg.val_sequences validation windows (data=text, data=tokens). A split
     with fewer windows than asked is evaluated whole, and the log says so: the study's advice to
     raise data.val_sequences must not do nothing in silence."""
-    have = windows(len(val), cfg.seq_len)
-    if cfg.val_sequences > have:
+    val_loader = TokenLoader(
+        on_device(val, ctx.device), cfg.seq_len, ctx, shuffle=False, limit=cfg.val_sequences
+    )
+    if cfg.val_sequences > val_loader.n:
         log.warning(
-            "data.val_sequences=%d: the validation split has %d windows of data.seq_len=%d, so "
-            "%d are evaluated; a larger split gives more (data=text: data.val_fraction)",
+            "data.val_sequences=%d: the validation split has %d windows of data.seq_len=%d, all "
+            "of them evaluated; a larger split gives more (data=text: data.val_fraction)",
             cfg.val_sequences,
-            have,
+            val_loader.n,
             cfg.seq_len,
-            have,
         )
     return Data(
         train=TokenLoader(
             on_device(train, ctx.device), cfg.seq_len, ctx, True, limit=cfg.epoch_sequences
         ),
-        val=TokenLoader(
-            on_device(val, ctx.device), cfg.seq_len, ctx, shuffle=False, limit=cfg.val_sequences
-        ),
+        val=val_loader,
         num_classes=vocab,
         input_shape=(cfg.seq_len,),
         task=task,
