@@ -491,6 +491,17 @@ def test_the_study_runs_its_seeds_until_its_width_or_max_seeds(tmp_path):
     assert seeding["seeds"] == 4 and seeding["one_more"] < seeding["widest"]
     assert "### Seeds" in (tmp_path / "study.md").read_text()
 
+    # the same study in a later session, with room for one more seed: it counts the 4 it finds
+    # and trains seed 4 alone
+    args[args.index("study.max_seeds=4")] = "study.max_seeds=5"
+    p = run_module("mixprec.study", ["run", *args], timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "study: 4 seeds: the widest" in out and "study: 3 seeds" not in out, out[-3000:]
+    assert "study: 5 seeds: study.max_seeds=5 reached" in out
+    assert sorted(trained_in(out)) == ["bf16-seed4", "fp32-seed4"]
+    assert json.loads((tmp_path / "study.json").read_text())["seeding"]["seeds"] == 5
+
 
 @pytest.mark.slow
 def test_two_processes_run_one_study_side_by_side_each_run_once(tmp_path):
@@ -698,3 +709,81 @@ def test_a_finished_run_resumed_again_leaves_its_files_bytes_and_mtimes_as_they_
     after = {p: (p.read_bytes(), os.stat(p).st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()}
     changed = [str(p.relative_to(run_dir)) for p in before if before[p] != after.get(p)]
     assert changed == [] and set(after) == set(before)
+
+
+def study_500(tmp_path) -> Path:
+    """Round 6's 500-step quality_lm_long runs (seeds 0-3 of bf16 and fp8, one H100), as
+    committed in benchmarks/results."""
+    import tarfile
+
+    name = "quality_lm_long-r6-h100-2026-12-06-s0-3-runs.tgz"
+    with tarfile.open(Path(__file__).parents[1] / "benchmarks/results" / name) as t:
+        t.extractall(tmp_path, filter="data")
+    return tmp_path / "study"
+
+
+def test_the_500_step_study_read_again_from_its_raw_evaluations(tmp_path):
+    """The committed runs of today's quality_lm_long (500 steps, wsd, seeds 0-3 of bf16 and fp8,
+    one H100): the target is bf16's worst evaluated loss at step 350, each seed's steps to it are
+    the linear interpolation between the two evaluations around its first crossing (read here
+    from metrics.jsonl, not from the study), no seed is censored, and speedup = rate ratio x
+    convergence ratio in every row and over the whole curve."""
+    from mixprec.report.quality import analyse, sweep_study
+    from mixprec.report.seeds import read_seeds
+    from mixprec.sinks import local
+
+    sweep = study_500(tmp_path)
+    evals = {
+        run.name: [
+            (r["step"], r["val/loss"])
+            for r in local.read_jsonl(run / "metrics.jsonl")
+            if "val/loss" in r
+        ]
+        for run in sweep.glob("*-seed*")
+    }
+    assert sweep_study(sweep)["budget"] == 350 and len(evals) == 8
+    target = max(dict(e)[350] for k, e in evals.items() if k.startswith("bf16"))
+    result = analyse(read_seeds(sweep), "bf16", budget=350)
+    assert result["target"] == pytest.approx(target, abs=1e-6) and result["smooth"] == "none"
+
+    def first_passage(e):
+        i = next(i for i, (_, v) in enumerate(e) if v <= target)
+        (s0, v0), (s1, v1) = e[i - 1], e[i]
+        return s0 + (s1 - s0) * (v0 - target) / (v0 - v1)
+
+    for s in result["seeds"]:
+        assert s.steps_to == pytest.approx(first_passage(evals[s.run]), abs=1e-6), s.run
+    for pt in [{"rows": result["rows"]}, *result["by_length"]]:
+        fp8 = pt["rows"][1]
+        assert fp8.censored == [] and fp8.seeds == 4 and fp8.paired
+        assert fp8.speedup == pytest.approx(fp8.rate_ratio * fp8.convergence, rel=1e-9)
+    (curve,) = result["curve_match"]
+    assert curve["seeds"] == 4
+    assert curve["speedup"] == pytest.approx(curve["rate_ratio"] * curve["convergence"], rel=1e-9)
+
+
+def test_study_width_waits_for_the_answers_intervals_not_the_early_points_along_the_run(tmp_path):
+    """On the committed 500-step runs the answer's intervals (first passage at the main target,
+    the whole curve) are ±0.085 and ±0.096 at 4 seeds, and the point at 25 % of the run (step
+    88, the fast descent after warm-up) ±0.34: the driver asks for the seeds the answer needs
+    at study.width=0.05, well under study.max_seeds, where waiting for that early point too
+    would run to the cap."""
+    import math
+
+    from mixprec.report.quality import analyse
+    from mixprec.report.seeds import half_widths, more_seeds, projected, read_seeds
+
+    result = analyse(read_seeds(study_500(tmp_path)), "bf16", budget=350)
+    widths = half_widths(result)
+    (curve,) = result["curve_match"]
+    lo, hi = result["rows"][1].interval
+    assert widths == pytest.approx(
+        {
+            "fp8": math.log(hi / lo) / 2,
+            "fp8 whole curve": math.log(curve["interval"][1] / curve["interval"][0]) / 2,
+        }
+    )
+    need = next(n for n in range(5, 100) if projected(max(widths.values()), 4, n) <= 0.05)
+    assert more_seeds(result, 4, 0.05, 16)[0] == need < 16
+    lo, hi = result["by_length"][0]["rows"][1].interval
+    assert projected(math.log(hi / lo) / 2, 4, 16) > 0.05  # that point alone: past the cap

@@ -54,6 +54,8 @@ def run(overrides: list[str]) -> int:
             c.study.smooth,
             c.study.fit_from,
         )
+        # seeds an earlier session left in the sweep dir count: the result is over all of them
+        seeds = max(seeds, min(r.seeds for r in result["rows"]))
         following, why = seeding.more_seeds(result, seeds, c.study.width, c.study.max_seeds)
         print(f"study: {seeds} seeds: {why}", flush=True)
         if following is None:
