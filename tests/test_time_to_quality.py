@@ -650,17 +650,20 @@ RESULTS = Path(__file__).parents[1] / "benchmarks" / "results"
 SPREADS: dict = {}  # each schedule's median first-passage spread (the test above, both runs)
 
 
-def long_study(tmp_path) -> Path:
-    """The round-5 long study's raw run dirs (quality_lm_long, 1,200 steps x 5 seeds, one H100),
-    as committed in benchmarks/results."""
+def committed_runs(tmp_path, name: str, folder: str) -> Path:
+    """A study's raw run dirs as committed in benchmarks/results/NAME-runs.tgz, unpacked into
+    tmp_path (the archive holds them under FOLDER)."""
     import tarfile
 
-    tgz = (
-        Path(__file__).parents[1] / "benchmarks/results/quality_lm_long-r5-h100-2026-12-05-runs.tgz"
-    )
+    tgz = Path(__file__).parents[1] / f"benchmarks/results/{name}-runs.tgz"
     with tarfile.open(tgz) as t:
         t.extractall(tmp_path, filter="data")
-    return tmp_path / "long"
+    return tmp_path / folder
+
+
+def long_study(tmp_path) -> Path:
+    """The round-5 long study (quality_lm_long, 1,200 steps x 5 seeds, one H100)."""
+    return committed_runs(tmp_path, "quality_lm_long-r5-h100-2026-12-05", "long")
 
 
 def test_the_long_study_read_again_counts_no_reaching_seed_as_censored(tmp_path):
@@ -712,14 +715,8 @@ def test_a_finished_run_resumed_again_leaves_its_files_bytes_and_mtimes_as_they_
 
 
 def study_500(tmp_path) -> Path:
-    """Round 6's 500-step quality_lm_long runs (seeds 0-3 of bf16 and fp8, one H100), as
-    committed in benchmarks/results."""
-    import tarfile
-
-    name = "quality_lm_long-r6-h100-2026-12-06-s0-3-runs.tgz"
-    with tarfile.open(Path(__file__).parents[1] / "benchmarks/results" / name) as t:
-        t.extractall(tmp_path, filter="data")
-    return tmp_path / "study"
+    """Round 6's 500-step quality_lm_long (seeds 0-3 of bf16 and fp8, one H100)."""
+    return committed_runs(tmp_path, "quality_lm_long-r6-h100-2026-12-06-s0-3", "study")
 
 
 def test_the_500_step_study_read_again_from_its_raw_evaluations(tmp_path):
