@@ -139,9 +139,9 @@ def half_widths(result: dict) -> dict[str, float]:
     passage at the main target ({"fp8": 0.04}) and the whole curve ({"fp8 whole curve": 0.05});
     one with a speedup and no interval (one seed) is infinite. The points along the run are not
     here: they say whether the speedup falls as the run goes on, and the earliest, in the fast
-    descent after warm-up, can need many times the seeds of the answer (the 500-step study's at
-    25 %: ±0.34 at 4 seeds, where the answer's were ±0.08-0.10). Precisions no seed of which reached
-    the target have none, and are not waited for."""
+    descent after warm-up, can need many times the seeds of the answer (the committed 500-step
+    study's, tests/test_time_to_quality.py). Precisions no seed of which reached the target have
+    none, and are not waited for."""
 
     def half(interval) -> float:
         return math.log(interval[1] / interval[0]) / 2 if interval else math.inf
