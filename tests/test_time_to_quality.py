@@ -714,6 +714,9 @@ def test_a_finished_run_resumed_again_leaves_its_files_bytes_and_mtimes_as_they_
     assert changed == [] and set(after) == set(before)
 
 
+STUDY_500_SEEDS = 5  # the committed file's pairs: a new seed changes its name and this only
+
+
 def study_500(tmp_path) -> Path:
     """Round 6's 500-step quality_lm_long (seeds 0-4 of bf16 and fp8, one H100)."""
     return committed_runs(tmp_path, "quality_lm_long-r6-h100-2026-12-07-s0-4", "study")
@@ -738,7 +741,7 @@ def test_the_500_step_study_read_again_from_its_raw_evaluations(tmp_path):
         ]
         for run in sweep.glob("*-seed*")
     }
-    assert sweep_study(sweep)["budget"] == 350 and len(evals) == 10
+    assert sweep_study(sweep)["budget"] == 350 and len(evals) == 2 * STUDY_500_SEEDS
     target = max(dict(e)[350] for k, e in evals.items() if k.startswith("bf16"))
     result = analyse(read_seeds(sweep), "bf16", budget=350)
     assert result["target"] == pytest.approx(target, abs=1e-6) and result["smooth"] == "none"
@@ -752,10 +755,10 @@ def test_the_500_step_study_read_again_from_its_raw_evaluations(tmp_path):
         assert s.steps_to == pytest.approx(first_passage(evals[s.run]), abs=1e-6), s.run
     for pt in [{"rows": result["rows"]}, *result["by_length"]]:
         fp8 = pt["rows"][1]
-        assert fp8.censored == [] and fp8.seeds == 5 and fp8.paired
+        assert fp8.censored == [] and fp8.seeds == STUDY_500_SEEDS and fp8.paired
         assert fp8.speedup == pytest.approx(fp8.rate_ratio * fp8.convergence, rel=1e-9)
     (curve,) = result["curve_match"]
-    assert curve["seeds"] == 5
+    assert curve["seeds"] == STUDY_500_SEEDS
     assert curve["speedup"] == pytest.approx(curve["rate_ratio"] * curve["convergence"], rel=1e-9)
 
 
@@ -780,7 +783,8 @@ def test_study_width_waits_for_the_answers_intervals_not_the_early_points_along_
             "fp8 whole curve": math.log(curve["interval"][1] / curve["interval"][0]) / 2,
         }
     )
-    need = next(n for n in range(6, 100) if projected(max(widths.values()), 5, n) <= 0.05)
-    assert more_seeds(result, 5, 0.05, 16)[0] == need < 16
+    n = STUDY_500_SEEDS
+    need = next(k for k in range(n + 1, 100) if projected(max(widths.values()), n, k) <= 0.05)
+    assert more_seeds(result, n, 0.05, 16)[0] == need < 16
     lo, hi = result["by_length"][0]["rows"][1].interval
-    assert projected(math.log(hi / lo) / 2, 5, 16) > 0.05  # that point alone: past the cap
+    assert projected(math.log(hi / lo) / 2, n, 16) > 0.05  # that point alone: past the cap
