@@ -714,16 +714,16 @@ def test_a_finished_run_resumed_again_leaves_its_files_bytes_and_mtimes_as_they_
     assert changed == [] and set(after) == set(before)
 
 
-STUDY_500_SEEDS = 5  # the committed file's pairs: a new seed changes its name and this only
+STUDY_500_SEEDS = 8  # the committed file's pairs: a new seed changes its name and this only
 
 
 def study_500(tmp_path) -> Path:
-    """Round 6's 500-step quality_lm_long (seeds 0-4 of bf16 and fp8, one H100)."""
-    return committed_runs(tmp_path, "quality_lm_long-r6-h100-2026-12-07-s0-4", "study")
+    """Round 6's 500-step quality_lm_long (seeds 0-7 of bf16 and fp8, one H100)."""
+    return committed_runs(tmp_path, "quality_lm_long-r6-h100-2026-12-07-s0-7", "study")
 
 
 def test_the_500_step_study_read_again_from_its_raw_evaluations(tmp_path):
-    """The committed runs of today's quality_lm_long (500 steps, wsd, seeds 0-4 of bf16 and fp8,
+    """The committed runs of today's quality_lm_long (500 steps, wsd, seeds 0-7 of bf16 and fp8,
     one H100): the target is bf16's worst evaluated loss at step 350, each seed's steps to it are
     the linear interpolation between the two evaluations around its first crossing (read here
     from metrics.jsonl, not from the study), no seed is censored, and speedup = rate ratio x
@@ -764,16 +764,18 @@ def test_the_500_step_study_read_again_from_its_raw_evaluations(tmp_path):
 
 def test_study_width_waits_for_the_answers_intervals_not_the_early_points_along_the_run(tmp_path):
     """On the committed 500-step runs the answer's intervals (first passage at the main target,
-    the whole curve) are ±0.058 and ±0.066 at 5 seeds, and the point at 25 % of the run (step
-    88, the fast descent after warm-up) ±0.23: the driver asks for the seeds the answer needs
-    at study.width=0.05, well under study.max_seeds, where waiting for that early point too
-    would run to the cap."""
+    the whole curve) are ±0.039 and ±0.047 at 8 seeds, and the point at 25 % of the run (step
+    88, the fast descent after warm-up) ±0.19: the driver stops at study.width=0.05, where
+    waiting for that early point too would run to the cap. On their first 5 seeds (±0.058 and
+    ±0.066) it asks for the seeds the widest interval's projection implies, under the cap."""
     import math
+    import shutil
 
     from mixprec.report.quality import analyse
     from mixprec.report.seeds import half_widths, more_seeds, projected, read_seeds
 
-    result = analyse(read_seeds(study_500(tmp_path)), "bf16", budget=350)
+    sweep = study_500(tmp_path)
+    result = analyse(read_seeds(sweep), "bf16", budget=350)
     widths = half_widths(result)
     (curve,) = result["curve_match"]
     lo, hi = result["rows"][1].interval
@@ -784,7 +786,17 @@ def test_study_width_waits_for_the_answers_intervals_not_the_early_points_along_
         }
     )
     n = STUDY_500_SEEDS
-    need = next(k for k in range(n + 1, 100) if projected(max(widths.values()), n, k) <= 0.05)
-    assert more_seeds(result, n, 0.05, 16)[0] == need < 16
+    assert max(widths.values()) <= 0.05 and more_seeds(result, n, 0.05, 16)[0] is None
     lo, hi = result["by_length"][0]["rows"][1].interval
-    assert projected(math.log(hi / lo) / 2, n, 16) > 0.05  # that point alone: past the cap
+    assert math.log(hi / lo) / 2 > 0.05  # that point alone would not have stopped it
+
+    for seed_dir in sweep.glob("*-seed*"):  # the same study when it had 5 seeds
+        if int(seed_dir.name.rsplit("seed", 1)[1]) >= 5:
+            shutil.rmtree(seed_dir)
+    result = analyse(read_seeds(sweep), "bf16", budget=350)
+    widest = max(half_widths(result).values())
+    assert widest > 0.05
+    need = next(k for k in range(6, 100) if projected(widest, 5, k) <= 0.05)
+    assert more_seeds(result, 5, 0.05, 16)[0] == need < 16
+    lo, hi = result["by_length"][0]["rows"][1].interval
+    assert projected(math.log(hi / lo) / 2, 5, 16) > 0.05  # that point alone: past the cap
