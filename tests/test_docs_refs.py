@@ -9,6 +9,8 @@ import re
 from conftest import ROOT
 
 PATH = re.compile(r"(?<![\w/.:-])((?:src/mixprec|conf|tests|benchmarks|docs)/[\w./-]*\w)")
+# RESULTS.md names its raw files relative to benchmarks/, often as NAME{.md,.json} or NAME-*.json
+RAW = re.compile(r"(?<![\w/.:-])((?:benchmarks/)?results/[\w./{},*-]*[\w}*])")
 PY = re.compile(r"(?<![\w/.:-])([\w/]+\.py)\b")
 MODULE = re.compile(r"python -m (mixprec(?:\.\w+)*)")
 HISTORY = re.compile(r"git show \w+:\S+")
@@ -45,4 +47,30 @@ def test_every_path_module_and_file_the_docs_and_docstrings_name_exists():
             mod = ROOT / "src" / m.group(1).replace(".", "/")
             if not (mod.with_suffix(".py").exists() or (mod / "__main__.py").exists()):
                 missing.append(f"{where}: python -m {m.group(1)}")
+    assert missing == [], "\n".join(sorted(set(missing)))
+
+
+def expand(name: str) -> list[str]:
+    """NAME{a,b}c -> [NAMEac, NAMEbc], each brace in turn."""
+    m = re.search(r"\{([^{}]*)\}", name)
+    if not m:
+        return [name]
+    return [
+        e
+        for alt in m.group(1).split(",")
+        for e in expand(name[: m.start()] + alt + name[m.end() :])
+    ]
+
+
+def test_every_raw_file_the_results_name_exists_braces_and_globs_included():
+    """`results/NAME{.md,.json}` and `results/NAME-*.json` in RESULTS.md and the docs: each
+    name the braces spell is a file, and each glob matches one."""
+    missing = []
+    for f in [*ROOT.glob("docs/*.md"), ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md"]:
+        text = HISTORY.sub("", f.read_text())
+        for m in RAW.finditer(text):
+            name = m.group(1).removeprefix("benchmarks/")
+            for e in expand(name):
+                if not list((ROOT / "benchmarks").glob(e)):
+                    missing.append(f"{f.relative_to(ROOT)}: {e}")
     assert missing == [], "\n".join(sorted(set(missing)))
