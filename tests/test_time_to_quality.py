@@ -790,13 +790,14 @@ def test_study_width_waits_for_the_answers_intervals_not_the_early_points_along_
     lo, hi = result["by_length"][0]["rows"][1].interval
     assert math.log(hi / lo) / 2 > 0.05  # that point alone would not have stopped it
 
-    for seed_dir in sweep.glob("*-seed*"):  # the same study when it had 5 seeds
-        if int(seed_dir.name.rsplit("seed", 1)[1]) >= 5:
+    first = 5  # the same study when it had its first 5 seeds
+    for seed_dir in sweep.glob("*-seed*"):
+        if int(seed_dir.name.rsplit("seed", 1)[1]) >= first:
             shutil.rmtree(seed_dir)
     result = analyse(read_seeds(sweep), "bf16", budget=350)
     widest = max(half_widths(result).values())
     assert widest > 0.05
-    need = next(k for k in range(6, 100) if projected(widest, 5, k) <= 0.05)
-    assert more_seeds(result, 5, 0.05, 16)[0] == need < 16
+    need = next(k for k in range(first + 1, 100) if projected(widest, first, k) <= 0.05)
+    assert more_seeds(result, first, 0.05, 16)[0] == need < 16
     lo, hi = result["by_length"][0]["rows"][1].interval
-    assert projected(math.log(hi / lo) / 2, 5, 16) > 0.05  # that point alone: past the cap
+    assert projected(math.log(hi / lo) / 2, first, 16) > 0.05  # that point alone: past the cap
