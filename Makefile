@@ -83,7 +83,7 @@ bench-profile: $(STAMP)  ## (GPU) where experiment=fast's step goes (kernels by 
 	$(NEEDS_GPU)
 	$(BIN)/python benchmarks/profile_step.py
 
-bench-fast: $(STAMP)     ## (GPU) experiment=fast next to variants of it (no kernel tuning, batch 768)
+bench-fast: $(STAMP)     ## (GPU) experiment=fast next to variants of it (kernel tuning on, batch 768)
 	$(NEEDS_GPU)
 	$(BIN)/python benchmarks/fast_variants.py
 

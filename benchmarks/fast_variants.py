@@ -1,11 +1,11 @@
 """experiment=fast on synthetic data next to variants of it (inductor options, batch), each a
 train.py run of the same length in one process tree, as ratios to the preset itself.
 
-    python3 benchmarks/fast_variants.py                   # the preset, without its kernel tuning, at batch 768
+    python3 benchmarks/fast_variants.py                   # the preset, with its kernel tuning on, at batch 768
     python3 benchmarks/fast_variants.py --variants "precision=bf16" "+model.compile_options.aggressive_fusion=true"
 
-Each run compiles from scratch unless inductor's cache holds its kernels: with the preset's
-coordinate-descent tuning the first compile takes 3-5 minutes, so give each run --timeout 600.
+Each run compiles from scratch unless inductor's cache holds its kernels: with
+coordinate-descent tuning on, the first compile takes 3-5 minutes, so give each run --timeout 600.
 Measured rows: benchmarks/RESULTS.md ("experiment=fast").
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from loader import train_rate
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ["model.compile_options.coordinate_descent_tuning=false", "batch=768"]
+VARIANTS = ["model.compile_options.coordinate_descent_tuning=true", "batch=768"]
 
 
 def main() -> None:

@@ -201,7 +201,13 @@ def run_side(side: str, row: str, a) -> dict:
                 "error": "no steady-state rate in summary.json (too few steps?)",
                 "wall_s": wall,
             }
-        return {"rate": rate, "unit": unit, "mfu": s.get("mfu"), "wall_s": wall}
+        return {
+            "rate": rate,
+            "unit": unit,
+            "mfu": s.get("mfu"),
+            "first_step_s": s.get("first_step_s"),
+            "wall_s": wall,
+        }
 
 
 def table(results: dict) -> str:

@@ -3,7 +3,7 @@
 
     python3 benchmarks/profile_step.py                           # experiment=fast (ResNet-50, amp, compiled)
     python3 benchmarks/profile_step.py model.compile=false        # the eager step
-    python3 benchmarks/profile_step.py +model.compile_options.coordinate_descent_tuning=true
+    python3 benchmarks/profile_step.py model.compile_options.coordinate_descent_tuning=true
     python3 benchmarks/profile_step.py --groups lm --base experiment=lm_table hydra.mode=RUN \
         model=llama_8b_slice precision=bf16        # the LM step (GEMMs, attention, norms, loss)
 
