@@ -318,7 +318,7 @@ def main() -> None:
         type=float,
         default=600,
         help="seconds per train.py run "
-        "(experiment=fast's first compile and kernel tuning take 3-5 min)",
+        "(experiment=fast's first compile: 1-2 min; 3-5 min with its kernel tuning on)",
     )
     ap.add_argument(
         "--overrides",
