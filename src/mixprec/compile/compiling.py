@@ -65,8 +65,20 @@ def load_cache(path: str | None) -> None:
             log.info("model.compile_cache: %s does not exist yet; this run will write it", path)
         return
     t0 = time.perf_counter()
+    blob = Path(path).expanduser().read_bytes()
+    outside = _keys_outside(blob)
+    if outside:
+        log.warning(
+            "model.compile_cache: %s is refused, nothing of it loaded: %d of its entries name "
+            "paths outside torch's cache dirs (e.g. %r), as only a crafted file does; "
+            "compiling from scratch",
+            path,
+            len(outside),
+            outside[0],
+        )
+        return
     try:
-        info = torch.compiler.load_cache_artifacts(Path(path).expanduser().read_bytes())
+        info = torch.compiler.load_cache_artifacts(blob)
     except Exception as e:  # noqa: BLE001 (a stale or foreign file must not stop the run)
         log.warning("model.compile_cache: %s did not load (%s); compiling from scratch", path, e)
         return
@@ -79,6 +91,20 @@ def load_cache(path: str | None) -> None:
         )
         return
     log.info("model.compile_cache: loaded %s in %.1fs: %s", path, time.perf_counter() - t0, what)
+
+
+def _keys_outside(blob: bytes) -> list[str]:
+    """The keys of a cache file's entries that would not stay inside their cache's own dir:
+    each is one or two plain names (inductor's graph hash; the autotuner's `dir/name`)."""
+    keys = torch_private.cache_artifact_keys(blob)
+    if keys is None:
+        return []  # nothing torch can read: it loads nothing either
+    return [key for _, key in keys if not _plain_key(key)]
+
+
+def _plain_key(key: str) -> bool:
+    parts = key.split("/")
+    return 0 < len(parts) <= 2 and all(p not in ("", ".", "..") and "\0" not in p for p in parts)
 
 
 def save_cache(path: str | None) -> None:

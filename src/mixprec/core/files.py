@@ -204,8 +204,8 @@ RUN_LOCK = ".lock"  # a run dir's lock file: held (flock) by the one process wri
 def locked(path: Path) -> bool:
     """Whether a live process holds a flock on `path` now (a run dir's RUN_LOCK: the run is
     being written); False where the file is missing or free."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
+    try:  # (never through a link, never blocking on a FIFO)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
     try:

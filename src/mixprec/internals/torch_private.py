@@ -8,7 +8,8 @@ names only through here (tests/test_internals.py greps every other module for th
 - dynamo's recompile limit (compile_scope=blocks compiles each block's shapes once);
 - inductor's options for a compile mode (model.compile_options on top of a mode), and its
   import ahead of timing (fp8_auto's timing processes);
-- the foreach copy that puts BatchNorm statistics back in one kernel per dtype each step.
+- the foreach copy that puts BatchNorm statistics back in one kernel per dtype each step;
+- the entries of a compile-cache file (model.compile_cache), read before torch writes them.
 """
 
 from __future__ import annotations
@@ -69,3 +70,18 @@ def import_inductor() -> None:
 def copy_all_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """targets[i].copy_(sources[i]) for all, as one foreach kernel (a loop is a launch each)."""
     torch._foreach_copy_(targets, sources)
+
+
+def cache_artifact_keys(blob: bytes) -> list[tuple[str, str]] | None:
+    """(type, key) of each entry of a torch.compiler.save_cache_artifacts file, read without
+    writing anything (torch's loader joins each key to its cache's dir and writes there, so a
+    key that is an absolute path or climbs with '..' writes anywhere). None where this torch
+    cannot read the file, or has no such reader."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager
+    except ImportError:
+        return None
+    artifacts = CacheArtifactManager.deserialize(blob)  # (no unpickling: strings and bytes)
+    if artifacts is None:
+        return None
+    return [(kind, str(a.key)) for kind, entries in artifacts.items() for a in entries]

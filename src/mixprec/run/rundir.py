@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -17,8 +18,10 @@ import logging.handlers
 import os
 import shutil
 import socket
+import stat
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -70,7 +73,7 @@ class RunDirLock:
     def __enter__(self) -> RunDirLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_lock(self.path, os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -111,6 +114,30 @@ class RunDirLock:
             self.fd = None
 
 
+def open_lock(path: Path, flags: int) -> int:
+    """Open a run dir's lock file, never through a link (a planted `.lock` link would have the
+    run truncate and write its target) and never blocking on a FIFO; anything that is not a
+    plain file is RunDirBusy naming it. FileNotFoundError where it is missing and not created."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # ELOOP: a link; EISDIR: a folder; ENXIO: a FIFO with no reader
+        raise _not_a_lock(path, e.strerror) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _not_a_lock(path, "not a plain file")
+    return fd
+
+
+def _not_a_lock(path: Path, why: str) -> RunDirBusy:
+    return RunDirBusy(
+        f"{path} is not a run's lock file ({why}); mixprec writes a plain file there and "
+        "never writes through a link. Remove it if it is not yours, or choose another "
+        "hydra.run.dir"
+    )
+
+
 def _same_file(fd: int, path: Path) -> bool:
     """Whether `path` is still the file `fd` holds (not unlinked or replaced since)."""
     try:
@@ -121,19 +148,122 @@ def _same_file(fd: int, path: Path) -> bool:
     return (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino)
 
 
-def withdraw(run_dir: Path) -> None:
-    """A run refused at its first step (a loss or a sample the build could not check): remove
-    what it wrote, so the dir is as it was before it (and the next, fixed command takes it).
-    Only a dir that held no run before is ever withdrawn (session._run)."""
-    remove_run(run_dir)
-    for name in (".hydra", "train.log"):
-        path = run_dir / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-    if _unlink_if_free(run_dir / files.RUN_LOCK):
-        try:
-            run_dir.rmdir()
-        except OSError:  # files that are not the run's (the user's own): they stay, and the dir
-            pass
+# what a run writes into its dir beside what made_by_a_run() names: Hydra's files, the console log
+JOURNAL = (".hydra", "train.log")
+# a found file up to this size is kept in memory so that a refused run can put it back whole
+# (larger ones, metrics.jsonl of a long run, are cut back to their length if the run appended)
+KEEP_BYTES = 64 << 20
+
+
+@dataclass
+class _Entry:
+    """One path as a run found it (lstat, never through a link)."""
+
+    kind: str  # "file", "dir", "link" or "other"
+    ino: int = 0
+    size: int = 0
+    mtime_ns: int = 0
+    mode: int = 0
+    data: bytes | None = None  # a small file's contents
+    target: str | None = None  # a link's
+    children: dict[str, _Entry] | None = None  # a real dir's entries, one level down
+
+
+def _entry(path: Path, depth: int = 0, keep: bool = False) -> _Entry | None:
+    """`path` as it is now; `depth` levels of a real dir's entries; `keep`: a small file's bytes."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return _Entry("link", target=os.readlink(path))
+    if stat.S_ISREG(st.st_mode):
+        data = None
+        if keep and st.st_size <= KEEP_BYTES:
+            with contextlib.suppress(OSError):  # an unreadable file: only its length is kept
+                data = _read_nofollow(path)
+        return _Entry("file", st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode, data)
+    if stat.S_ISDIR(st.st_mode):
+        kids = {p.name: _entry(p, depth - 1, keep) for p in path.iterdir()} if depth else None
+        kids = {k: v for k, v in kids.items() if v is not None} if kids is not None else None
+        return _Entry("dir", st.st_ino, mode=st.st_mode, children=kids)
+    return _Entry("other", st.st_ino)
+
+
+def _read_nofollow(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+class Footprint:
+    """What a run dir held of the names a run writes, taken with the lock held before the run
+    writes anything; `withdraw()` takes a refused run back out of it: every path the run
+    created goes, every path it found is left or put back as it was. Nothing is ever deleted
+    or written through a link: a found link is a leaf, its target untouched."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.names = (*made_by_a_run(), *JOURNAL)
+        # (checkpoints are never read: a run refused before its first step writes none)
+        found = {n: _entry(run_dir / n, 1, keep=n != "checkpoints") for n in self.names}
+        self.found = {n: e for n, e in found.items() if e is not None}
+
+    def withdraw(self) -> None:
+        for name in self.names:
+            path = self.run_dir / name
+            before = self.found.get(name)
+            if before is None:
+                _remove(path)
+                continue
+            _put_back(path, before)
+            now = _entry(path)
+            if before.children is not None and now is not None and now.kind == "dir":
+                for child in list(path.iterdir()):
+                    was = before.children.get(child.name)
+                    _remove(child) if was is None else _put_back(child, was)
+
+
+def _remove(path: Path) -> None:
+    """Remove what the run made at `path`: a link itself (never what it points to), a file,
+    or a real folder with what is in it (shutil.rmtree unlinks links inside, never follows)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _put_back(path: Path, before: _Entry) -> None:
+    """A found path as it was: a link re-made, a small file's bytes restored, a large file
+    cut back to its length where the run appended to it."""
+    now = _entry(path)
+    if before.kind == "link":
+        if now is None or now.kind != "link" or now.target != before.target:
+            _remove(path)
+            os.symlink(before.target, path)
+        return
+    if before.kind != "file" or (now is not None and now.kind == "dir"):
+        return
+    if now is not None and (now.ino, now.size, now.mtime_ns) == (
+        before.ino,
+        before.size,
+        before.mtime_ns,
+    ):
+        return
+    if before.data is not None:
+        if now is not None and now.kind == "link":
+            path.unlink()
+        files.write_atomic(path, before.data)
+        os.chmod(path, stat.S_IMODE(before.mode))
+    elif now is not None and now.kind == "file" and now.ino == before.ino:
+        if now.size > before.size:
+            os.truncate(path, before.size)
+    else:
+        log.warning("%s was changed by the refused run and is too large to put back", path)
 
 
 def _unlink_if_free(lock: Path) -> bool:
@@ -141,9 +271,11 @@ def _unlink_if_free(lock: Path) -> bool:
     must not remove a live run's lock: that run may still be building, with nothing but its
     lock in the dir, and a third run would then take the dir beside it."""
     try:
-        fd = os.open(lock, os.O_RDWR)
+        fd = open_lock(lock, os.O_RDWR)
     except FileNotFoundError:
         return True
+    except RunDirBusy:  # not a lock of ours: left where it is
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -233,16 +365,16 @@ def remove_run(run_dir: Path) -> None:
     for name in made_by_a_run():
         path = run_dir / name
         if name == "checkpoints" and path.is_dir():  # ours only: last.pt and step_*.pt
+            # (checkpoints/ linked to another disk: the run's own checkpoints there go, the link
+            # and everything else behind it stay)
             for ckpt in [path / "last.pt", path / "last.dcp", *path.glob("step_*.pt")]:
                 ckpt.unlink(missing_ok=True)  # (last.dcp: a symlink)
             for shards in [*path.glob("step_*.dcp"), *path.glob(".step_*.dcp.partial")]:
-                shutil.rmtree(shards)
-            if not any(path.iterdir()):
+                _remove(shards)
+            if not path.is_symlink() and not any(path.iterdir()):
                 path.rmdir()
-        elif path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+        elif not path.is_symlink():  # a link is the user's: neither it nor its target goes
+            _remove(path)
 
 
 def _inside(path: Path, run_dir: Path) -> bool:

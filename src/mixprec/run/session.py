@@ -4,6 +4,7 @@ into one clear message and its exit code (errors.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -112,10 +113,9 @@ def run(cfg: DictConfig) -> dict:
         raise
     finally:
         journal.close(run_dir)
-        refused = sys.exc_info()[1]
-        if getattr(refused, "withdraw", False):
-            rundir.withdraw(run_dir)
-            log.info("nothing of the refused run is kept in %s", run_dir)
+        if getattr(sys.exc_info()[1], "withdrawn", False) and run_dir != Path("."):
+            with contextlib.suppress(OSError):  # empty now: the dir Hydra made for this run
+                run_dir.rmdir()
 
 
 def left_to_another(e: MixprecError, cfg) -> bool:
@@ -145,16 +145,20 @@ def _run(cfg: DictConfig, journal: rundir.Journal) -> dict:
         c.run_dir = distributed.broadcast_str(c.run_dir, dd)  # rank 0's Hydra run dir
         run_dir = Path(c.run_dir)
         with rundir.RunDirLock(run_dir) if dd.main else nullcontext():
-            fresh = not rundir.holds_a_run(run_dir)
             if dd.main:
                 rundir.prepare(run_dir, c.resume, c.overwrite)
+            # what the dir holds before this run writes (a multirun job's row reads its dir)
+            found = rundir.Footprint(run_dir) if dd.main and not launch.multirun() else None
             accept = (lambda: journal.accept(run_dir, cfg)) if dd.main else (lambda: None)
             resolved = OmegaConf.to_container(cfg, resolve=True)
             try:
                 return Session(build.build(c, hw, dd), resolved, accept).train()
             except ConfigError as e:  # refused at the first step: as if refused before it
-                e.withdraw = fresh and dd.main and getattr(e, "untrained", False)
-                e.withdraw = e.withdraw and not launch.multirun()  # (a job's row reads its dir)
+                if found is not None and getattr(e, "untrained", False):
+                    journal.close(None)  # train.log closed, then withdrawn with the lock held
+                    found.withdraw()
+                    e.withdrawn = True
+                    log.info("nothing of the refused run is kept in %s", run_dir)
                 raise
     finally:
         distributed.close()
@@ -173,6 +177,7 @@ class Session:
         self.found: Path | None = None  # the checkpoint this run resumed from
         self.state_at_resume = 0.0  # wall seconds of the run before that checkpoint
         self.train_s_at_resume = 0.0  # seconds in training steps before it
+        self.resumed_step = 0
         self.hooks: Hooks | None = None
         self.phases = hardware.PhaseMemory(
             parts.learner.model, parts.learner.optimizer, parts.device
@@ -195,6 +200,7 @@ class Session:
             return done
         blob = self._resume()
         st = self.state
+        self.resumed_step = st.step  # a refusal before any step of its own is withdrawn
         # (a stop during the final evaluation: the last step is checkpointed, its evaluation
         # runs on resume; a checkpoint of before val_step was kept has val and step -1)
         evaluated = st.val_step == st.step or (st.val_step == -1 and bool(st.val))
@@ -215,7 +221,7 @@ class Session:
             self.error = OutOfMemory(messages.oom_advice(p))
         except MixprecError as e:
             self.error = e
-            e.untrained = blob is None and self.state.step == 0  # nothing of it worth keeping
+            e.untrained = self.state.step == self.resumed_step  # it made no step: nothing to keep
             raise
         finally:
             self._close(hooks)
