@@ -24,7 +24,7 @@ NEEDS_GPU = @if ls -d $(GPU_NODES) 2>/dev/null | grep -q .; then \
 MIN_VENV ?= .venv-min
 MIN_CONSTRAINTS := .ci/min-constraints.txt
 
-.PHONY: install train test test-all test-min lint format test-gpu bench bench-headline bench-cpu bench-memory bench-loader bench-profile bench-fast bench-prepared bench-scaling clean
+.PHONY: install train test test-all test-min lint format test-gpu bench bench-headline bench-cpu bench-memory bench-loader bench-profile bench-fast bench-prepared bench-scaling bench-peers clean
 
 install: $(STAMP)
 $(STAMP): pyproject.toml
@@ -90,6 +90,10 @@ bench-fast: $(STAMP)     ## (GPU) experiment=fast next to variants of it (kernel
 bench-prepared: $(STAMP) ## (GPU) accuracy on the original JPEGs vs the prepared copy (generated digit photos)
 	$(NEEDS_GPU)
 	$(BIN)/python benchmarks/prepared_accuracy.py
+
+bench-peers: $(STAMP)    ## (GPU) mixprec beside Hugging Face, torchtitan (where installed) and Lightning: one table
+	$(NEEDS_GPU)
+	$(BIN)/python benchmarks/peers.py --rows lm_bf16,lm_fp8,vision_amp $(ARGS)
 
 bench-scaling: $(STAMP)  ## (2 GPUs) DDP: 1 GPU vs torchrun on 2 GPUs, same per-GPU batch
 	$(NEEDS_GPU)
