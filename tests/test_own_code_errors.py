@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixprec.core.errors import ConfigError
+from mixprec.core.errors import ConfigError, DataError
 from mixprec.precision import fp8_layers
 from mixprec.run import session as run
 
@@ -431,3 +431,45 @@ def test_a_loss_function_that_returns_nan_is_named_as_the_cause(tmp_path, precis
     assert p.returncode == 3, out[-2000:]
     assert said in out and f"(model.loss={name}:nan_after)" in out
     assert "the loss scale itself overflowed" not in out
+
+
+def test_a_collate_fn_raising_at_mixprecs_first_sample_check_is_one_data_error(tmp_path):
+    """Issue 90, item 14: the build's check of the first sample calls your collate_fn; its
+    KeyError was a traceback (exit 1). One DataError (exit 4) naming it, before training."""
+    cfg = compose_cfg([*PLUGINS, "data.target=own_data:keyless_collate", "batch=16"], tmp_path)
+    with pytest.raises(DataError) as e:
+        run.run(cfg)
+    said = "its collate_fn Exploding raised KeyError: 'input_ids' (mixprec's check of the first"
+    assert said in str(e.value), e.value
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_collate_fn_calling_sys_exit_0_is_a_data_error_not_a_clean_exit(tmp_path):
+    """Issue 90, item 9: sys.exit(0) in your collate_fn mid-run ended the run with exit 0 and
+    status `failed`; it is a DataError (exit 4) naming the function, the batch and the epoch."""
+    cfg = compose_cfg(
+        [*PLUGINS, "data.target=own_data:exiting_collate", "batch=16", "trainer.max_steps=8"],
+        tmp_path,
+    )
+    with pytest.raises(DataError) as e:
+        run.run(cfg)
+    assert "its collate_fn Exploding raised SystemExit: 0" in str(e.value), e.value
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.slow
+def test_a_collate_fn_calling_sys_exit_in_a_loader_worker_is_exit_4_and_one_line(tmp_path):
+    """Issue 90, item 14: sys.exit in a loader worker killed the worker; one line, exit 4."""
+    p = run_train(
+        [
+            *PLUGINS,
+            "data.target=own_data:exiting_collate",
+            "batch=16",
+            "trainer.max_steps=30",
+            "hardware.num_workers=2",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ]
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 4, out[-2000:]
+    assert "its collate_fn Exploding raised SystemExit: 0" in out and "Traceback" not in out

@@ -277,13 +277,14 @@ class Exploding:
     """A collate_fn that stacks as torch's default does, and raises on its `at`-th call in
     its process (a worker's calls are counted in the worker)."""
 
-    def __init__(self, at: int) -> None:
+    def __init__(self, at: int, error: BaseException | None = None) -> None:
         self.at, self.calls = at, 0
+        self.error = error or RuntimeError(f"collate exploded on call {at}")
 
     def __call__(self, samples: list):
         self.calls += 1
         if self.calls == self.at:
-            raise RuntimeError(f"collate exploded on call {self.at}")
+            raise self.error
         from torch.utils.data import default_collate
 
         return default_collate(samples)
@@ -293,3 +294,13 @@ def exploding_collate(at: int = 4) -> dict:
     """blobs() with a collate_fn of the user's own that fails part-way into the run (its
     first call is mixprec's check of the first sample)."""
     return {**blobs(), "collate_fn": Exploding(at)}
+
+
+def exiting_collate() -> dict:
+    """A collate_fn that calls sys.exit(0) part-way into the run (in a worker, if any)."""
+    return {**blobs(), "collate_fn": Exploding(4, SystemExit(0))}
+
+
+def keyless_collate() -> dict:
+    """A collate_fn that raises KeyError on its first call: mixprec's check of the first sample."""
+    return {**blobs(), "collate_fn": Exploding(1, KeyError("input_ids"))}

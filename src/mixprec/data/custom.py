@@ -150,16 +150,22 @@ class Collated:
         self.collate, self.keys, self.where = collate, keys, where
 
     def __call__(self, samples: list):
-        try:
-            batch = self.collate(samples)
-        except Exception as e:
-            name = getattr(self.collate, "__qualname__", type(self.collate).__name__)
-            raise DataError(
-                f"{self.where}: its collate_fn {name} raised {type(e).__name__}: {e}"
-            ) from None
+        batch = collate_named(self.collate, samples, self.where)
         if self.keys is None:
             return tuple(batch)
         return self.keys.split_checked(f"{self.where}: a batch from its collate_fn", batch)
+
+
+def collate_named(collate, samples: list, where: str, more: str = ""):
+    """`collate(samples)`; what it raises, SystemExit too (sys.exit in a collator would end
+    the run with its code, or kill a loader worker), is a DataError naming the function."""
+    try:
+        return collate(samples)
+    except (Exception, SystemExit) as e:
+        name = getattr(collate, "__qualname__", type(collate).__name__)
+        raise DataError(
+            f"{where}: its collate_fn {name} raised {type(e).__name__}: {e}{more}"
+        ) from None
 
 
 def _keys(where: str, sample: Mapping, cfg_keys: tuple) -> Keys:
@@ -210,7 +216,7 @@ def _first(target: str, split: str, ds, collate, cfg_keys: tuple) -> tuple:
     goes through it (a batch of one)."""
     where = f"data.target={target!r}: {split}[0]"
     if collate is not None:
-        batch = collate([ds[0]])
+        batch = collate_named(collate, [ds[0]], where, " (mixprec's check of the first sample)")
         keys = (
             _keys(f"{where} through its collate_fn", batch, cfg_keys)
             if isinstance(batch, Mapping)
