@@ -162,8 +162,9 @@ def test_your_objects_refused_at_the_first_step_are_named_and_leave_no_run_dir(
     assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
 
 
-def test_num_classes_is_inferred_from_the_models_last_linear_or_the_labels(user, tmp_path, caplog):
-    """(train, val) without num_classes=: a module's last Linear says 4; a callable model says
+def test_num_classes_is_inferred_from_the_models_output_or_the_labels(user, tmp_path, caplog):
+    """(train, val) without num_classes=: a module's output for the first sample says 4; a
+    callable model says
     nothing, so the datasets' integer labels do (1 + the largest: 4); both said in the log.
     Float labels show nothing: the refusal stays."""
     caplog.set_level("INFO")
@@ -173,7 +174,8 @@ def test_num_classes_is_inferred_from_the_models_last_linear_or_the_labels(user,
     net = own_models.plain_mlp(num_classes=4, input_shape=(1, 8, 8))
     first = mixprec.train(model=net, data=pair, overrides=CPU, run_dir=tmp_path / "a")
     assert (
-        first["status"] == "completed" and "out_features of the model's last Linear" in caplog.text
+        first["status"] == "completed"
+        and "num_classes=4: the width of the model's output for the first sample" in caplog.text
     )
     second = mixprec.train(
         model=own_models.plain_mlp, data=pair, overrides=CPU, run_dir=tmp_path / "b"
@@ -183,8 +185,72 @@ def test_num_classes_is_inferred_from_the_models_last_linear_or_the_labels(user,
         and "num_classes=4: 1 + the largest integer label" in caplog.text
     )
     floats = torch.utils.data.TensorDataset(torch.randn(8, 1, 8, 8), torch.rand(8))
-    with pytest.raises(ConfigError, match="neither the model's last Linear nor integer labels"):
+    with pytest.raises(ConfigError, match="neither the model's output nor integer labels"):
         mixprec.train(
             model=own_models.plain_mlp, data=(floats, floats), overrides=CPU, run_dir=tmp_path / "c"
         )
     assert not (tmp_path / "c").exists()
+
+
+class HeadFirst(torch.nn.Module):
+    """A model whose last registered Linear is not its classifier (an auxiliary projection
+    registered after the head): its output has 4 classes, its last Linear 16 features."""
+
+    def __init__(self, classes: int = 4) -> None:
+        super().__init__()
+        self.head = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, classes))
+        self.aux = torch.nn.Linear(classes, 16)
+
+    def forward(self, x):
+        return self.head(x)
+
+
+class Raising(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i == 5:
+            raise OSError("sample 5 is on a disk that went away")
+        return torch.randn(1, 8, 8), i % 4
+
+
+def labelled(labels: list[int]) -> torch.utils.data.TensorDataset:
+    return torch.utils.data.TensorDataset(torch.randn(len(labels), 1, 8, 8), torch.tensor(labels))
+
+
+@pytest.mark.parametrize(
+    "model,data,said",
+    [
+        (
+            lambda: HeadFirst(4),
+            lambda: (labelled([0, 1, 2, 9]),) * 2,
+            "a label is 9: labels are 0..3",
+        ),
+        (lambda: HeadFirst(4), lambda: (labelled([0, -1, 2, 3]),) * 2, "a label is -1"),
+        (lambda: HeadFirst(1), lambda: (labelled([0, 1, 0, 1]),) * 2, "a one-output head"),
+        (lambda: HeadFirst(4), lambda: (Raising(), Raising()), "raised OSError: sample 5"),
+    ],
+    ids=["label-above-outputs", "negative-label", "one-logit", "dataset-raises"],
+)
+def test_classes_that_do_not_fit_the_labels_are_one_config_error_before_training(
+    tmp_path, model, data, said
+):
+    """Issue 90, item 10: the classes come from the model's output (HeadFirst's last Linear
+    has 16 features, its head 4: 16 was taken); labels that do not fit, a one-logit head or a
+    dataset raising while its labels are read were torch IndexErrors or RuntimeErrors with a
+    failed run dir. One ConfigError naming what does not fit, before anything is written."""
+    with pytest.raises(ConfigError, match=said):
+        mixprec.train(model=model(), data=data(), overrides=CPU, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_head_registered_before_another_linear_gives_the_classes(tmp_path, caplog):
+    caplog.set_level("INFO")
+    done = mixprec.train(
+        model=HeadFirst(4),
+        data=(labelled([0, 1, 2, 3] * 32),) * 2,
+        overrides=CPU,
+        run_dir=tmp_path / "run",
+    )
+    assert done["status"] == "completed" and "num_classes=4: the width" in caplog.text

@@ -135,7 +135,7 @@ def _data_overrides(data, num_classes, vocab_size, keys: list, model=None) -> li
         if len(data) != 2 or (num_classes is None) == (vocab_size is None):
             raise ConfigError(
                 "mixprec.train(data=(train, val)) needs both datasets and one of num_classes= "
-                "(classification) or vocab_size= (tokens); neither the model's last Linear "
+                "(classification) or vocab_size= (tokens); neither the model's output "
                 "nor integer labels of the datasets showed the classes"
             )
         what = {"num_classes": num_classes} if num_classes else {"vocab_size": vocab_size}
@@ -149,24 +149,32 @@ MAX_SCAN = 100_000  # samples read to find the classes of a dataset that is no T
 
 
 def inferred_classes(model, data) -> int | None:
-    """num_classes where it can be read safely: the out_features of the model's last Linear
-    (a module given as an object), else 1 + the largest integer label of (train, val) (a
-    TensorDataset's label tensor, or up to MAX_SCAN samples of (input, int label)); None
-    where neither shows it. Said in the run's first lines."""
-    from torch import nn
-
-    if isinstance(model, nn.Module):
-        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-        if linears:
-            _NOTES.append(
-                f"num_classes={linears[-1].out_features}: the out_features of the model's last "
-                "Linear (mixprec.train(data=(train, val)) without num_classes=)"
-            )
-            return linears[-1].out_features
+    """num_classes where it can be read safely: the width of the model's output for the first
+    training sample (a module given as an object; one forward pass, no gradient, eval mode),
+    else 1 + the largest integer label of (train, val) (a TensorDataset's label tensor, or up
+    to MAX_SCAN samples of (input, int label)); None where neither shows it. The labels must
+    fit the classes: a negative label, one above the model's outputs, a one-output head or a
+    dataset that raises while its labels are read is a ConfigError here, before training.
+    Said in the run's first lines."""
+    width = _output_width(model, data[0])
     try:
-        top = max(_largest_label(ds) for ds in data)
-    except (TypeError, ValueError, IndexError, KeyError):
-        return None
+        low, top = _label_range(data)
+    except MixprecError:
+        raise
+    except Exception as e:  # noqa: BLE001 (the user's dataset)
+        if width is None:
+            return None  # no classes to check them against: the run's own checks apply
+        raise ConfigError(
+            f"mixprec.train(data=(train, val)) without num_classes=: reading the labels to check "
+            f"them against the model's {width} outputs raised {type(e).__name__}: {e}"
+        ) from None
+    if width is not None:
+        _check_labels(width, low, top)
+        _NOTES.append(
+            f"num_classes={width}: the width of the model's output for the first sample "
+            "(mixprec.train(data=(train, val)) without num_classes=)"
+        )
+        return width
     if top is None:
         return None
     _NOTES.append(
@@ -176,27 +184,78 @@ def inferred_classes(model, data) -> int | None:
     return top + 1
 
 
-def _largest_label(ds) -> int | None:
+def _output_width(model, train) -> int | None:
+    """The last dimension of the model's output for train[0] (None where it cannot be had)."""
+    import torch
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        return None
+    try:
+        x = train[0][0]
+        was = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                out = model(x.unsqueeze(0) if isinstance(x, torch.Tensor) else x)
+        finally:
+            model.train(was)
+    except Exception:  # noqa: BLE001 (not a tensor model of (input, label) pairs: the labels)
+        return None
+    return int(out.shape[-1]) if isinstance(out, torch.Tensor) and out.ndim >= 1 else None
+
+
+def _check_labels(width: int, low: int | None, top: int | None) -> None:
+    where = f"mixprec.train(data=(train, val)) without num_classes=: the model outputs {width}"
+    if width < 2:
+        raise ConfigError(
+            f"{where} value(s) per sample, a one-output head: classification needs one logit "
+            "per class (num_classes >= 2); for a binary score give your own loss (loss=...)"
+        )
+    if low is not None and low < 0:
+        raise ConfigError(f"{where} classes, and a label is {low}: labels are 0..{width - 1}")
+    if top is not None and top >= width:
+        raise ConfigError(
+            f"{where} classes, and a label is {top}: labels are 0..{width - 1} (the model's "
+            "last layer has fewer outputs than the data has classes)"
+        )
+
+
+def _label_range(data) -> tuple[int | None, int | None]:
+    """The smallest and largest integer label over (train, val); (None, None) where the
+    labels are not integers or too many to read."""
+    lows, tops = [], []
+    for ds in data:
+        got = _largest_label(ds)
+        if got is None:
+            return None, None
+        lows.append(got[0])
+        tops.append(got[1])
+    return min(lows), max(tops)
+
+
+def _largest_label(ds) -> tuple[int, int] | None:
+    """(smallest, largest) integer label of a dataset; None where they are not integers."""
     import torch
     from torch.utils.data import TensorDataset
 
     if isinstance(ds, TensorDataset) and len(ds.tensors) == 2:
         y = ds.tensors[1]
         ok = y.ndim == 1 and not y.is_floating_point() and not y.is_complex()
-        return int(y.max()) if ok and y.numel() and int(y.min()) >= 0 else None
+        return (int(y.min()), int(y.max())) if ok and y.numel() else None
     if not hasattr(ds, "__len__") or len(ds) > MAX_SCAN:
         return None
-    top = -1
+    low, top = None, None
     for i in range(len(ds)):
         y = ds[i][1]
         if isinstance(y, torch.Tensor):
             if y.ndim or y.is_floating_point():
                 return None
             y = int(y)
-        if not isinstance(y, int) or isinstance(y, bool) or y < 0:
+        if not isinstance(y, int) or isinstance(y, bool):
             return None
-        top = max(top, y)
-    return top if top >= 0 else None
+        low, top = min(y, low if low is not None else y), max(y, top if top is not None else y)
+    return (low, top) if top is not None else None
 
 
 def _loss_overrides(loss, keys: list) -> list[str]:
