@@ -244,3 +244,38 @@ def test_a_crafted_compile_cache_writes_nothing_outside_torchs_cache(tmp_path, m
     plain.write_bytes(crafted_cache("fplainkey"))
     compiling.load_cache(str(plain))
     assert any((tmp_path / "inductor").rglob("*")), "a plain entry is loaded as before"
+
+
+@pytest.mark.slow
+def test_a_bool_key_given_a_number_is_refused_naming_it(tmp_path):
+    """Issue 90, item 11: `debug.memory=2` was read as true; a true/false key takes only
+    true or false (exit 2, nothing written)."""
+    run_dir = tmp_path / "run"
+    p = run_train(["hardware=cpu", "logger=none", "debug.memory=2", f"hydra.run.dir={run_dir}"])
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and "debug.memory=2: a key that is true or false" in out, out[-2000:]
+    assert not run_dir.exists()
+
+
+def test_resume_auto_with_another_model_target_is_refused_naming_it(tmp_path, monkeypatch):
+    """Issue 90, item 11: a resume whose model.target names another callable (here one that
+    builds the same shapes, so its weights load) was not noticed; it is a CheckpointError
+    naming model.target's two values, and the run dir is left as it was."""
+    from mixprec.core.errors import CheckpointError
+
+    module = tmp_path / f"users_{uuid.uuid4().hex[:8]}.py"
+    module.write_text(
+        "from own_models import plain_mlp\n\ndef renamed(num_classes, input_shape):\n"
+        "    return plain_mlp(num_classes, input_shape)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins"))
+    run_dir = tmp_path / "run"
+    base = [*CPU_SMALL, "model=own", "ckpt.every_steps=1", "trainer.max_steps=2"]
+    done = run.run(compose_cfg([*base, "model.target=own_models:plain_mlp"], run_dir))
+    assert done["status"] == "completed"
+    before = tree(run_dir)
+    again = [*base, f"model.target={module.stem}:renamed", "resume=auto", "trainer.max_steps=4"]
+    with pytest.raises(CheckpointError, match="model.target=own_models:plain_mlp; this run has"):
+        run.run(compose_cfg(again, run_dir))
+    assert tree(run_dir) == before

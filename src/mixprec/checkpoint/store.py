@@ -232,6 +232,7 @@ def check_fits(blob: dict, path: Path, run: dict) -> None:
 # what a resume must keep: the state's layout depends on them
 _SAME = [("optimizer", "name"), ("optimizer", "state"), ("optimizer", "offload")]
 _SAME += [("scheduler", "name"), ("parallel", "strategy")]
+_SAME += [("model", "target")]  # your model's callable: another one may fit the weights by chance
 
 
 def check_config(blob: dict, path: Path, run: dict) -> None:

@@ -27,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from mixprec import data as datasets
 from mixprec import sinks
 from mixprec.checkpoint.store import CkptConfig
-from mixprec.core import metrics
+from mixprec.core import launch, metrics
 from mixprec.core.early import CONF_DIR
 from mixprec.core.errors import ConfigError, check, nearest, one_of
 from mixprec.core.hardware import HardwareConfig, Profiles
@@ -158,6 +158,7 @@ def validate(cfg: DictConfig) -> TrainConfig:
             cfg.logger = {"sinks": {}}
     _known_keys(cfg, TrainConfig, "")
     _finite(cfg, "")
+    _strict_bools(cfg, launch.task_overrides())
     try:
         data = datasets.parse(OmegaConf.to_container(cfg.data, resolve=True))
         prec = precisions.parse(OmegaConf.to_container(cfg.precision, resolve=True))
@@ -175,6 +176,22 @@ def validate(cfg: DictConfig) -> TrainConfig:
         f"false unless the strategy shards (parallel=fsdp); parallel={parallel.strategy} does not",
     )
     return c
+
+
+def _strict_bools(cfg: DictConfig, overrides: list[str]) -> None:
+    """A true/false key given anything but true or false on the command line: OmegaConf reads
+    `debug.memory=2` (or `yes`) as true, where the user meant something else."""
+    for override in overrides:
+        key, eq, value = override.lstrip("+~").partition("=")
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent, default=None) if parent else cfg
+        if not eq or not isinstance(node, DictConfig) or leaf not in node:
+            continue
+        if OmegaConf.get_type(node, leaf) is bool and value.strip().lower() not in BOOLS:
+            raise ConfigError(f"{key}={value}: a key that is true or false (allowed: true, false)")
+
+
+BOOLS = ("true", "false")
 
 
 def _known_keys(node: DictConfig, schema: type, prefix: str) -> None:
