@@ -126,20 +126,47 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "profile_step.json")
     ap.add_argument("--groups", choices=("vision", "lm"), default="vision", help="kernel groups")
     a = ap.parse_args()
+    if a.steps < 1 or a.profile_steps < 1 or a.warmup < 0:
+        ap.error(
+            f"--steps and --profile-steps must be >= 1, --warmup >= 0 "
+            f"(got {a.steps}, {a.profile_steps}, {a.warmup})"
+        )
+    try:  # before the build: an --out that cannot be written is known at once
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(a.out.parent, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        ap.error(f"--out {a.out}: its folder cannot be written ({e.strerror})")
     os.environ.setdefault("WANDB_MODE", "disabled")
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
     from torch.profiler import ProfilerActivity, profile
 
+    from mixprec.core.errors import MixprecError
     from mixprec.parallel import distributed
     from mixprec.run import build
     from mixprec.run.config import compose_config, validate
     from mixprec.training import loop
 
-    c = validate(compose_config([a.base, "logger=none", *a.overrides]))
-    hw = build.resolve_hardware(c)
-    parts = build.build(c, hw, distributed.init(hw.device))
+    try:
+        c = validate(compose_config([a.base, "logger=none", *a.overrides]))
+        hw = build.resolve_hardware(c)
+        parts = build.build(c, hw, distributed.init(hw.device))
+    except MixprecError as e:  # a bad value, a GPU preset on a CPU: train.py's one line
+        ap.exit(e.exit_code, f"profile_step.py: {e.label}: {e}\n")
+    except (HydraException, OmegaConfBaseException) as e:  # an override Hydra cannot compose
+        ap.exit(2, f"profile_step.py: config error: {str(e).splitlines()[0]}\n")
     learner, batch = parts.learner, parts.layout.batch
-    parts.data.train.set_epoch(0)
-    batches = iter(parts.data.train)
+
+    def epochs():
+        """The training batches, epoch after epoch: more steps than an epoch go on."""
+        epoch = 0
+        while True:
+            parts.data.train.set_epoch(epoch)
+            yield from parts.data.train
+            epoch += 1
+
+    batches = epochs()
 
     cuda = parts.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)

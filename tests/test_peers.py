@@ -54,3 +54,28 @@ def test_the_side_by_side_command_writes_the_ratio_of_its_two_measured_rates(tmp
         timeout=120,
     )
     assert bad.returncode == 2 and "lm_fp64" in bad.stderr and "lm_bf16" in bad.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (["--tiny", "--device", "cpu", "--rows", "lm_fp32", "--steps", "-3"], "--steps must"),
+        (["--rows", "lm_bf16"], "needs a CUDA GPU and none is visible"),
+    ],
+    ids=["negative-steps", "cuda-default-on-a-cpu"],
+)
+def test_a_bad_command_is_one_line_and_exit_2(args, said):
+    """Issue 90, item 15: each was a traceback (the second after the peer's whole run)."""
+    import torch
+
+    if "cuda" in said and torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "peers.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr, p.stderr

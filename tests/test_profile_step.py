@@ -115,3 +115,55 @@ def test_the_lm_profile_runs_a_tiny_decoder_on_the_cpu(tmp_path):
         abs(got["tokens_per_s"] - 2 * 32 / got["step_ms"] * 1e3) <= 0.5 + 1e-3 * got["tokens_per_s"]
     )
     assert "tokens/s" in p.stdout
+
+
+def profile_step(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        ([], "experiment=fast"),  # its GPU preset on this CPU
+        (["--steps", "0"], "--steps and --profile-steps must be >= 1"),
+        (["--profile-steps", "0"], "--steps and --profile-steps must be >= 1"),
+        (["--base", "hardware=cpu", "precision=fp9"], "precision"),
+        (["--out", "/proc/self/nothere/p.json"], "its folder cannot be written"),
+    ],
+    ids=["cpu-default", "steps-0", "profile-steps-0", "bad-override", "unwritable-out"],
+)
+def test_a_bad_command_is_one_line_and_exit_2(args, said):
+    """Issue 90, item 15: each of these was a traceback."""
+    if not args and __import__("torch").cuda.is_available():
+        pytest.skip("the default preset runs where a GPU is")
+    p = profile_step(*args)
+    assert p.returncode == 2 and said in p.stderr, (p.stdout + p.stderr)[-2000:]
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.slow
+def test_more_steps_than_an_epoch_go_on_into_the_next(tmp_path):
+    """Issue 90, item 15: digits has 23 batches an epoch; 20 + 10 + 2 steps took more than
+    one and ended in StopIteration's traceback."""
+    out = tmp_path / "p.json"
+    p = profile_step(
+        "--base",
+        "hardware=cpu",
+        "--warmup",
+        "20",
+        "--steps",
+        "10",
+        "--profile-steps",
+        "2",
+        "--out",
+        str(out),
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
+    assert json.loads(out.read_text())["step_ms"] > 0
