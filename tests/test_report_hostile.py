@@ -206,3 +206,95 @@ def test_a_job_that_raises_leaves_the_others_the_study_and_the_plots(tmp_path):
     failed = [r for r in report.read_runs(jobs) if r["status"] != "completed"]
     assert len(failed) == 2  # seed 1 of each precision
     assert all("RuntimeError: a bug in the user's model" in r["error"] for r in failed)
+
+
+def rewrite_rows(run: Path, change) -> None:
+    path = run / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    change(rows)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.parametrize(
+    "damage,counted,said",
+    [
+        ("nan-mid-curve", 3, None),
+        ("negative-time", 2, "1: its time/train_s goes below 0 or backwards"),
+        ("metrics-a-folder", 2, "1: its metrics.jsonl is not a file"),
+        ("metrics-to-dev-zero", 2, "1: its metrics.jsonl is not a file"),
+    ],
+)
+def test_a_damaged_run_is_left_out_and_named_or_read_around_never_a_traceback(
+    tmp_path, damage, counted, said
+):
+    """Issue 90, item 12: a NaN val/loss mid-curve (math.fsum's AttributeError), a negative
+    time/train_s (a math domain error), metrics.jsonl a folder (IsADirectoryError) or a link to
+    /dev/zero (a read without end): each was a traceback or a hang."""
+    sweep = fake_sweep(tmp_path / "sweep")
+    run = sweep / "1"  # fp32 seed 1
+    if damage == "nan-mid-curve":
+        rewrite_rows(run, lambda rows: rows[4].__setitem__("val/loss", float("nan")))
+    elif damage == "negative-time":
+        rewrite_rows(run, lambda rows: rows[4].__setitem__("time/train_s", -5.0))
+    else:
+        (run / "metrics.jsonl").unlink()
+        if damage == "metrics-a-folder":
+            (run / "metrics.jsonl").mkdir()
+        else:
+            (run / "metrics.jsonl").symlink_to("/dev/zero")
+    p = run_module("mixprec.study", [sweep, "--reference", "fp32"], timeout=120)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    study = json.loads((sweep / "study.json").read_text())
+    assert {r["precision"]: r["seeds"] for r in study["rows"]}["fp32"] == counted
+    if said:
+        assert any(said in why for why in study["left_out"]), study["left_out"]
+
+
+def test_an_evaluation_at_step_0_and_a_true_loss_are_no_points_of_the_curve(tmp_path):
+    """Issue 90, items 8 and 12: `"val/loss": true` was read as a loss of 1.0, and an
+    evaluation before any step (time 0) as the curve's first point."""
+    sweep = fake_sweep(tmp_path / "sweep")
+    before = quality.write(sweep, "fp32")
+
+    def damage(rows):
+        rows.insert(0, {"step": 0, "time/train_s": 0.0, "val/loss": 0.5})  # below the target
+        rows[3]["val/loss"] = True
+
+    for job in ("1", "4"):
+        rewrite_rows(sweep / job, damage)
+    after = quality.write(sweep, "fp32")
+    assert [s.curve for s in after["seeds"]] != [] and all(
+        p.step > 0 and p.loss != 1.0 for s in after["seeds"] for p in s.curve
+    )
+    assert after["target"] == pytest.approx(before["target"])
+
+
+@pytest.mark.parametrize(
+    "key,value,said",
+    [
+        ("target", "'abc'", "study.target: 'abc': a finite validation loss > 0"),
+        ("target", ".nan", "study.target: 'nan': a finite validation loss > 0"),
+        ("budget", "'abc'", "study.budget: 'abc': an optimizer step >= 1"),
+        ("fit_from", "'x'", "study.fit_from: 'x': an optimizer step >= 1"),
+    ],
+)
+def test_a_study_setting_a_runs_config_holds_is_checked_as_the_command_lines(
+    tmp_path, key, value, said
+):
+    """Issue 90, items 8 and 12: a string or NaN study.target/budget/fit_from in a run's
+    config was taken (a NaN target) or a traceback; it is exit 2 naming the file and the key."""
+    sweep = fake_sweep(tmp_path / "sweep")
+    for run in sweep.iterdir():
+        cfg = run / ".hydra" / "config.yaml"
+        cfg.write_text(cfg.read_text() + f"study: {{reference: fp32, {key}: {value}}}\n")
+    p = run_module("mixprec.study", [sweep])
+    assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (sweep / "study.md").exists()
+
+
+def test_study_md_says_a_given_target_is_given(tmp_path):
+    """Issue 90, item 8: with --target the heading said "its seeds' worst final evaluation"."""
+    sweep = fake_sweep(tmp_path / "sweep")
+    quality.write(sweep, "fp32", target=1.6)
+    heading = (sweep / "study.md").read_text().splitlines()[0]
+    assert "target val loss 1.6000: as given" in heading and "worst" not in heading, heading

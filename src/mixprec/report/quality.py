@@ -167,11 +167,13 @@ def analyse(
             s.fit, why = accepted_fit(fit_curve(s.curve, fit_from), s.noise)
             if why:
                 unfitted.append(f"{s.precision} seed {s.seed} ({why})")
+    given = target is not None
     target = default_target(seeds, reference, budget) if target is None else target
     _crossings(seeds, target)
     return {
         "reference": reference,
         "target": target,
+        "target_given": given,
         "budget": budget,
         "smooth": smooth,
         "unfitted": unfitted,
@@ -415,8 +417,29 @@ def sweep_study(sweep_dir: Path) -> dict:
         study = cfg.get("study") if isinstance(cfg, dict) else None
         if isinstance(study, dict):
             keys = ("reference", "target", "budget", "smooth", "fit_from")
-            return {k: study[k] for k in keys if study.get(k) is not None}
+            said = {k: study[k] for k in keys if study.get(k) is not None}
+            for key, value in said.items():  # a run's config is read, never trusted
+                try:
+                    READ[key](str(value) if not isinstance(value, bool) else "")
+                except argparse.ArgumentTypeError as e:
+                    raise ConfigError(
+                        f"{run / '.hydra' / 'config.yaml'}: study.{key}: {e}; give "
+                        f"--{key.replace('_', '-')} on the command line"
+                    ) from None
+            return {k: (READ[k](str(v)) if k in NUMBERS else v) for k, v in said.items()}
     return {}
+
+
+def _precision_name(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError(f"{text!r}: a precision's name")
+    return text
+
+
+def _smooth(text: str) -> str:
+    if text not in SMOOTH:
+        raise argparse.ArgumentTypeError(f"{text!r}: one of {', '.join(SMOOTH)}")
+    return text
 
 
 def _at_least_1(text: str) -> int:
@@ -437,6 +460,17 @@ def _loss(text: str) -> float:
     if not (math.isfinite(v) and v > 0):
         raise argparse.ArgumentTypeError(f"{text!r}: a finite validation loss > 0")
     return v
+
+
+# how each study.* key a run's config holds is read (the command line's own checks)
+READ = {
+    "reference": _precision_name,
+    "target": _loss,
+    "budget": _at_least_1,
+    "smooth": _smooth,
+    "fit_from": _at_least_1,
+}
+NUMBERS = ("target", "budget", "fit_from")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,6 +6,7 @@ as asked (python -m mixprec.study run)."""
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,9 @@ def crashed_run(s: Seed) -> bool:
     """A run that failed for another reason than divergence (a bug, OOM, a kill): it says
     nothing about its precision's time to the target."""
     return s.status not in ("completed", "preempted") and not s.diverged
+
+
+MAX_METRICS_BYTES = 1 << 30  # a run's metrics.jsonl: far below this
 
 
 def read_seeds(sweep_dir: Path, left_out: list[str] | None = None) -> list[Seed]:
@@ -85,12 +89,24 @@ def _seed_of(run: Path, local) -> tuple[Seed | None, str | None]:
             f"its summary.json is another run's (precision {said_precision}, seed {said_seed}; "
             f"its config: {precision}, seed {seed})"
         )
-    rows = local.read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
+    metrics = run / "metrics.jsonl"
+    if os.path.lexists(metrics) and not metrics.is_file():  # a folder, a device, a dead link
+        return None, "its metrics.jsonl is not a file"
+    if metrics.is_file() and metrics.stat().st_size > MAX_METRICS_BYTES:
+        return None, f"its metrics.jsonl is over {MAX_METRICS_BYTES >> 20} MB: not a run's"
+    rows = local.read_jsonl(metrics) if metrics.is_file() else []
     curve = [
         Point(r["step"], local.number(r.get("time/train_s")) or 0.0, float(r["val/loss"]))
         for r in rows
-        if isinstance(r.get("val/loss"), (int, float))
+        if _evaluated(r)
     ]
+    if any(b.train_s < a.train_s for a, b in zip(curve, curve[1:])) or any(
+        p.train_s < 0 for p in curve
+    ):
+        return None, "its time/train_s goes below 0 or backwards: not a run's own clock"
+    # a non-finite evaluation mid-run (the weights went on and evaluated finite again) is no
+    # point of the curve; a last one is the run's divergence
+    curve = [p for i, p in enumerate(curve) if math.isfinite(p.loss) or i == len(curve) - 1]
     finite = [p.loss for p in curve if math.isfinite(p.loss)]
     diverged = s.get("exit_code") == 3 or (bool(curve) and not math.isfinite(curve[-1].loss))
     seed_ = Seed(
@@ -108,6 +124,13 @@ def _seed_of(run: Path, local) -> tuple[Seed | None, str | None]:
         noise=_median([r.get("val/loss_noise") for r in rows]),
     )
     return seed_, None
+
+
+def _evaluated(row: dict) -> bool:
+    """An evaluation the study can place: a numeric val/loss (true is not 1.0) after step 0
+    (before any step there is no time to the target to read)."""
+    loss = row.get("val/loss")
+    return isinstance(loss, (int, float)) and not isinstance(loss, bool) and row["step"] > 0
 
 
 def _median(values: list) -> float | None:

@@ -44,7 +44,9 @@ def _how(result: dict) -> str:
 def markdown(result: dict) -> str:
     ref, target, budget = result["reference"], result["target"], result.get("budget")
     where = (
-        f"its seeds' worst evaluated loss at step {budget}"
+        "as given (--target or study.target)"
+        if result.get("target_given")
+        else f"its seeds' worst evaluated loss at step {budget}"
         if budget
         else "its seeds' worst final evaluation"
     )
