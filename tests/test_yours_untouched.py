@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import textwrap
 import uuid
 from pathlib import Path
@@ -17,7 +19,7 @@ from mixprec.core.errors import ConfigError, RunDirBusy
 from mixprec.run import rundir
 from mixprec.run import session as run
 
-from conftest import CPU_SMALL, compose_cfg, run_train
+from conftest import CPU_SMALL, ROOT, compose_cfg, run_module, run_train
 
 BROKEN_LOSS = """
 import torch.nn.functional as F
@@ -279,3 +281,87 @@ def test_resume_auto_with_another_model_target_is_refused_naming_it(tmp_path, mo
     with pytest.raises(CheckpointError, match="model.target=own_models:plain_mlp; this run has"):
         run.run(compose_cfg(again, run_dir))
     assert tree(run_dir) == before
+
+
+def job_like_the_preset(sweep: Path, name: str, *overrides: str) -> Path:
+    """A finished job of `experiment=quality_cpu` as its sweep leaves it (config.yaml only:
+    the config check reads nothing else), with `overrides` on the preset."""
+    from omegaconf import OmegaConf
+
+    from mixprec.run.config import compose_config
+
+    run = sweep / name
+    (run / ".hydra").mkdir(parents=True)
+    cfg = compose_config(["experiment=quality_cpu", "seed=0", *overrides])
+    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    return run
+
+
+def test_a_study_into_a_sweep_of_another_config_is_refused_naming_the_keys(tmp_path, monkeypatch):
+    """Issue 90, item 7: `python -m mixprec.study run` into a sweep dir whose runs another
+    optimizer.lr made trained nothing (resume=auto skips finished runs) and answered for the
+    old runs. Refused (exit 2) naming the key; runs of this config (another seed, another
+    precision) are continued."""
+    from mixprec import study
+
+    swept: list = []
+    monkeypatch.setattr(study, "_sweep", lambda overrides, sweep, seeds: swept.append(seeds) or 0)
+    sweep = tmp_path / "sweep"
+    job_like_the_preset(sweep, "0", "precision=fp32", "seed=3")  # the same config, swept keys
+    args = ["experiment=quality_cpu", "study.width=0.05", f"hydra.sweep.dir={sweep}"]
+    assert study.run(args) == 1 and swept  # (its fake job holds no study: nothing to read)
+    job_like_the_preset(sweep, "1", "optimizer.lr=0.123")
+    swept.clear()
+    with pytest.raises(ConfigError, match=r"holds runs of another config \(1: optimizer.lr"):
+        study.run(args)
+    assert swept == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args,code,said",
+    [
+        (["study.width=abc"], 2, "config error: Error merging override study.width=abc"),
+        (["study.widht=0.1"], 2, "config error: Could not override 'study.widht'"),
+        (["study.width=0.05", "hydra.sweep.dir=/proc/mixprec"], 9, "/proc takes no new folders"),
+    ],
+    ids=["width-abc", "typo", "proc-sweep-dir"],
+)
+def test_the_study_driver_refuses_a_bad_command_in_one_line(args, code, said):
+    """Issue 90, item 13: each was a traceback (exit 1)."""
+    p = run_module("mixprec.study", ["run", "experiment=quality_cpu", *args], timeout=120)
+    assert p.returncode == code and said in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["/proc/mixprec-run", "/sys/mixprec-run"])
+def test_a_run_dir_under_proc_or_sys_is_exit_9_in_one_line(where):
+    """Issue 90, item 13: Hydra's mkdir traceback (exit 1) where any unwritable dir is exit 9."""
+    p = run_train(["hardware=cpu", "logger=none", f"hydra.run.dir={where}"])
+    out = p.stdout + p.stderr
+    assert p.returncode == 9 and "takes no new folders" in out and "Traceback" not in out, out
+
+
+@pytest.mark.slow
+def test_a_checkpoint_over_the_file_size_limit_is_exit_8_and_loses_nothing(tmp_path):
+    """Issue 90, item 13: `ulimit -f` below a checkpoint's size (EFBIG, which torch.save
+    reports as "unexpected pos"): exit 8 naming the limit; the earlier checkpoint stays whole."""
+    import resource
+
+    run_dir = tmp_path / "run"
+    args = ["hardware=cpu", "logger=none", "ckpt.every_steps=2", f"hydra.run.dir={run_dir}"]
+    first = run_train([*args, "trainer.max_steps=2"])
+    assert first.returncode == 0, (first.stdout + first.stderr)[-2000:]
+    kept = (run_dir / "checkpoints" / "last.pt").read_bytes()
+    limit = len(kept) // 2
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args, "trainer.max_steps=4", "resume=auto"],
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "WANDB_MODE": "offline"},
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 8 and "file size limit" in out and "Traceback" not in out, out[-2000:]
+    assert (run_dir / "checkpoints" / "last.pt").read_bytes() == kept

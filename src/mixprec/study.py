@@ -21,7 +21,8 @@ TRAIN = Path(__file__).resolve().parents[2] / "train.py"
 
 def run(overrides: list[str]) -> int:
     """The driver's loop; returns the exit code of the last sweep (0 where every job ran)."""
-    from mixprec.core.errors import ConfigError
+    from mixprec.core import files
+    from mixprec.core.errors import ConfigError, Unwritable
     from mixprec.report import quality
     from mixprec.report import seeds as seeding
     from mixprec.run.config import compose_config, validate
@@ -32,7 +33,8 @@ def run(overrides: list[str]) -> int:
         raise ConfigError(
             "python -m mixprec.study run chooses the seeds (study.max_seeds); drop seed="
         )
-    c = validate(compose_config([o for o in overrides if not o.startswith("hydra.")]))
+    cfg = compose_config([o for o in overrides if not o.startswith("hydra.")])
+    c = validate(cfg)
     if c.study.reference is None or c.study.width is None:
         raise ConfigError(
             f"python -m mixprec.study run needs a study (study.reference={c.study.reference}) and "
@@ -41,6 +43,10 @@ def run(overrides: list[str]) -> int:
         )
     given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.sweep.dir=")]
     sweep = Path(given[-1] if given else f"outputs/studies/{c.name}")
+    why_not = files.writable_dir(sweep)
+    if why_not:
+        raise Unwritable(f"hydra.sweep.dir={sweep}: {why_not}")
+    same_config(sweep, cfg)
     seeds, why, code = min(seeding.FIRST_SEEDS, c.study.max_seeds), "", 0
     while True:
         code = _sweep(overrides, sweep, seeds)
@@ -63,6 +69,50 @@ def run(overrides: list[str]) -> int:
         seeds = following
     _say(sweep, result, seeds, why)
     return code
+
+
+# what may differ between the runs of one study: the swept keys, and how a run is kept
+PER_RUN = ("seed", "precision", "resume", "run_dir", "overwrite", "study", "logger", "hydra")
+
+
+def same_config(sweep: Path, cfg) -> None:
+    """The runs already in the sweep dir were made with this config (but for PER_RUN): a
+    resume=auto sweep skips a finished run, so runs of another config would be counted for
+    this one. A ConfigError naming the keys that differ, before anything runs."""
+    from omegaconf import OmegaConf
+
+    from mixprec.core.errors import ConfigError
+    from mixprec.report.runs import find_runs
+    from mixprec.sinks import local
+
+    if not sweep.is_dir():
+        return
+    now = _flat(OmegaConf.to_container(cfg, resolve=False))
+    for run in find_runs([sweep]):
+        was = local.run_config(run)
+        if was is None:
+            continue  # (the study names it under "Left out")
+        was = _flat(was)
+        differ = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+        if differ:
+            what = ", ".join(f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in differ[:6])
+            more = f" (+{len(differ) - 6} more)" if differ[6:] else ""
+            raise ConfigError(
+                f"{sweep} holds runs of another config ({run.name}: {what}{more}); their "
+                "answer is not this config's. Run the study into another hydra.sweep.dir, or "
+                "with the config those runs had"
+            )
+
+
+def _flat(node, prefix: str = "") -> dict:
+    if isinstance(node, dict):
+        out: dict = {}
+        for k, v in node.items():
+            if not prefix and k in PER_RUN:
+                continue
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): node}
 
 
 def _sweep(overrides: list[str], sweep: Path, seeds: int) -> int:
@@ -96,13 +146,19 @@ def _say(sweep: Path, result: dict, seeds: int, why: str) -> None:
 
 def main() -> None:
     if sys.argv[1:2] == ["run"]:
-        from mixprec.core.errors import MixprecError
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        from mixprec.core.errors import ConfigError, MixprecError
 
         try:
             sys.exit(run(sys.argv[2:]))
         except MixprecError as e:
             print(f"{e.label}: {e}", file=sys.stderr)
             sys.exit(e.exit_code)
+        except (HydraException, OmegaConfBaseException) as e:  # a typo, a value of a wrong type
+            print(f"{ConfigError.label}: {' '.join(str(e).splitlines()[:2])}", file=sys.stderr)
+            sys.exit(ConfigError.exit_code)
     from mixprec.report.quality import main as study_main
 
     study_main()

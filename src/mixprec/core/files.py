@@ -16,8 +16,10 @@ import fcntl
 import json
 import math
 import os
+import resource
 import shutil
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
@@ -59,6 +61,7 @@ def write_together(outputs: dict[Path, Callable[[IO[bytes]], Any] | bytes | str]
             renamed.append(path)
     except BaseException as e:
         full = isinstance(e, Exception) and disk_full(e, path.parent)  # before the temps go
+        capped = isinstance(e, Exception) and size_capped(e, [*temps.values()])
         for done in renamed:  # the old set back
             with contextlib.suppress(OSError):
                 if done in olds and olds[done].exists():
@@ -68,6 +71,12 @@ def write_together(outputs: dict[Path, Callable[[IO[bytes]], Any] | bytes | str]
         for leftover in [*temps.values(), *olds.values()]:
             with contextlib.suppress(OSError):  # a read-only filesystem refuses even this
                 leftover.unlink(missing_ok=True)
+        if capped:
+            raise DiskFull(
+                f"cannot write {path}: the process's file size limit ({capped} bytes, ulimit -f) "
+                "is smaller than the file; nothing was replaced. Raise the limit, then "
+                "resume=auto continues from the last whole checkpoint"
+            ) from None
         if full:
             raise no_space(path) from None
         if denied(e) or (isinstance(e, OSError) and e.errno == errno.EBUSY):
@@ -161,6 +170,26 @@ def writable_dir(path: Path) -> str | None:
     if not os.access(there, os.W_OK | os.X_OK):
         read_only = os.statvfs(there).f_flag & os.ST_RDONLY
         return f"{there} is on a read-only filesystem" if read_only else f"{there} is not writable"
+    try:  # /proc, /sys: root may "write" there, but no folder can be made (a probe, removed)
+        os.rmdir(tempfile.mkdtemp(prefix=".mixprec-probe-", dir=there))
+    except OSError as e:
+        return f"{there} takes no new folders ({e.strerror}: a kernel filesystem?)"
+    return None
+
+
+def size_capped(e: BaseException, written: list[Path]) -> int | None:
+    """The file size limit (RLIMIT_FSIZE, `ulimit -f`) where a write failed at it: EFBIG, or
+    a writer that wraps it (torch.save's "unexpected pos") with a temp file at the limit."""
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return None
+    chain = [e, e.__cause__, e.__context__]
+    if any(isinstance(x, OSError) and x.errno == errno.EFBIG for x in chain):
+        return soft
+    for path in written:
+        with contextlib.suppress(OSError):
+            if path.stat().st_size >= soft:
+                return soft
     return None
 
 
