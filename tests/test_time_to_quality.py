@@ -5,6 +5,8 @@ known answer on synthetic curves."""
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -760,6 +762,14 @@ def test_the_500_step_study_read_again_from_its_raw_evaluations(tmp_path):
     (curve,) = result["curve_match"]
     assert curve["seeds"] == STUDY_500_SEEDS
     assert curve["speedup"] == pytest.approx(curve["rate_ratio"] * curve["convergence"], rel=1e-9)
+    # one new pair, and each seed against the others' prediction interval (issue 91)
+    fp8 = result["rows"][1]
+    logs = [math.log(x["ratio"]) for x in fp8.leave_one_out]
+    assert len(logs) == STUDY_500_SEEDS and math.exp(statistics.fmean(logs)) == pytest.approx(
+        fp8.speedup
+    )
+    assert fp8.prediction[0] < fp8.interval[0] < fp8.interval[1] < fp8.prediction[1]
+    assert all(x["inside"] for x in fp8.leave_one_out)
 
 
 def test_study_width_waits_for_the_answers_intervals_not_the_early_points_along_the_run(tmp_path):
@@ -797,3 +807,49 @@ def test_study_width_waits_for_the_answers_intervals_not_the_early_points_along_
     assert more_seeds(result, first, 0.05, 16)[0] == need < 16
     lo, hi = result["by_length"][0]["rows"][1].interval
     assert projected(math.log(hi / lo) / 2, first, 16) > 0.05  # that point alone: past the cap
+
+
+def test_a_reference_seed_that_misses_an_explicit_target_is_censored_not_dropped():
+    """Issue 91, item 4: with --target below one bf16 seed's curve that seed was dropped: the
+    pairing broke (Welch) and bf16's time came from its fast seeds only. It is counted at its
+    bound (its whole training time), paired, and the speedup can only come out lower."""
+    from mixprec.report.quality import analyse
+
+    curve = [4.0, 3.0, 2.0, 1.5]
+    seeds = [seed("bf16", i, curve) for i in range(3)]
+    seeds[2] = seed("bf16", 2, [4.0, 3.0, 2.2, 1.8])  # never below 1.6
+    seeds += [seed("fp8", i, curve, secs_per_step=0.5 + 0.05 * i) for i in range(3)]
+    rows = {r.precision: r for r in analyse(seeds, "bf16", target=1.6)["rows"]}
+    bf16, fp8 = rows["bf16"], rows["fp8"]
+    assert bf16.censored == ["seed 2"] and fp8.paired and fp8.seeds == 3
+    # seeds 0 and 1 reach 1.6 at 38 s; seed 2 counts at its whole training time, 40 s
+    assert bf16.seconds_to[0] == pytest.approx((38 + 38 + 40) / 3)
+    # had seed 2 trained on and reached it (at 50 s), the estimate would be higher: the bound
+    # only ever lowers it
+    truth = [*seeds[:2], seed("bf16", 2, [4.0, 3.0, 2.2, 1.8, 1.5]), *seeds[3:]]
+    assert fp8.speedup < analyse(truth, "bf16", target=1.6)["rows"][1].speedup
+
+
+def test_the_prediction_interval_holds_one_new_pair_and_leave_one_out_checks_it():
+    """Issue 91: beside the mean's interval, where one new seed pair's speedup falls (wider:
+    it does not narrow with seeds), and each seed against the others' prediction interval. On
+    ratios drawn from a known log-normal, the interval covers about 95 % of new draws, and the
+    committed-study shape (8 pairs) gives 8 leave-one-out rows."""
+    import random
+
+    from mixprec.report.curves import leave_one_out, paired_interval, prediction_interval
+
+    rng = random.Random(0)
+    inside, trials = 0, 2000
+    for _ in range(trials):
+        ratios = [math.exp(rng.gauss(0.27, 0.05)) for _ in range(8)]
+        lo, hi = prediction_interval(ratios)
+        inside += lo <= math.exp(rng.gauss(0.27, 0.05)) <= hi
+    assert 0.935 < inside / trials < 0.965
+    ratios = {k: math.exp(rng.gauss(0.27, 0.05)) for k in range(8)}
+    _, mean_iv = paired_interval(list(ratios.values()))
+    pi = prediction_interval(list(ratios.values()))
+    assert pi[0] < mean_iv[0] and pi[1] > mean_iv[1]
+    rows = leave_one_out({**ratios, 8: 3.0})  # a seed far off: outside the others' interval
+    assert len(rows) == 9 and rows[-1]["seed"] == 8 and not rows[-1]["inside"]
+    assert prediction_interval([1.2, 1.3]) is None  # two seeds: no spread to predict from

@@ -131,6 +131,31 @@ def paired_interval(ratios: list[float]) -> tuple[float, tuple | None]:
     return math.exp(m), (math.exp(m - half), math.exp(m + half))
 
 
+def prediction_interval(ratios: list[float]) -> tuple[float, float] | None:
+    """Where one new seed pair's ratio falls, at LEVEL: the per-seed logs' mean
+    ± t(n-1) sd sqrt(1 + 1/n). The interval of the mean shrinks with the seeds; this one does
+    not: it is what a user's single run of each precision should expect."""
+    logs = [math.log(r) for r in ratios]
+    if len(logs) < 3:
+        return None
+    from scipy.stats import t
+
+    m, sd = statistics.fmean(logs), statistics.stdev(logs)
+    half = t.ppf(0.5 + LEVEL / 2, len(logs) - 1) * sd * math.sqrt(1 + 1 / len(logs))
+    return math.exp(m - half), math.exp(m + half)
+
+
+def leave_one_out(ratios: dict[int, float]) -> list[dict]:
+    """Each seed's ratio against the prediction interval of the others: a check that the
+    interval keeps its promise on seeds it did not see (at LEVEL, about 1 in 20 falls out)."""
+    out = []
+    for k, r in sorted(ratios.items()):
+        pi = prediction_interval([v for j, v in ratios.items() if j != k])
+        if pi is not None:
+            out.append({"seed": k, "ratio": r, "interval": pi, "inside": pi[0] <= r <= pi[1]})
+    return out
+
+
 def loss_at(curve: list[Point], step: float) -> float | None:
     """The val loss at `step`, linear between the evaluations around it (None past the end)."""
     return _between(curve, step, "loss")

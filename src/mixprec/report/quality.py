@@ -57,9 +57,11 @@ from mixprec.report.curves import (  # noqa: F401 (crossing, ratio_interval: the
     crossing,
     fit_curve,
     fitted_crossing,
+    leave_one_out,
     loss_at,
     mean_std,
     paired_interval,
+    prediction_interval,
     ratio_interval,
 )
 from mixprec.report.seeds import Seed, crashed_run, eval_noise, read_seeds
@@ -130,6 +132,8 @@ class Row:
     censored: list[str] = field(default_factory=list)  # seeds counted at a bound, not left out
     crashed: list[str] = field(default_factory=list)  # runs that failed: named, left out
     log_spread: float | None = None  # the per-seed sd of the log speedup (paired)
+    prediction: tuple[float, float] | None = None  # one new seed pair's speedup, at LEVEL
+    leave_one_out: list[dict] = field(default_factory=list)  # each seed vs the others' PI
 
 
 def default_target(seeds: list[Seed], reference: str, budget: int | None = None) -> float:
@@ -270,12 +274,13 @@ def _row(precision: str, group: list[Seed], ref_rate, reference: str, ref: list[
     )
     row.crashed = [f"seed {s.seed} ({s.run}: {s.status})" for s in crashed]
     if precision == reference:
-        reached = [s for s in ok if s.seconds_to]
-        if reached:  # the speedup is 1 by definition; its seeds' spread is in seconds_to
-            row.steps_to = statistics.fmean(s.steps_to for s in reached)
-            row.seconds_to, row.speedup = mean_std([s.seconds_to for s in reached]), 1.0
+        at = reference_times(ok)
+        if at:  # the speedup is 1 by definition; its seeds' spread is in seconds_to
+            row.steps_to = statistics.fmean(n for n, _ in at.values())
+            row.seconds_to, row.speedup = mean_std([t for _, t in at.values()]), 1.0
+            row.censored = [f"seed {s.seed}" for s in ok if not s.seconds_to]
     elif any(s.seconds_to for s in ok) and any(s.seconds_to for s in ref if not s.diverged):
-        _matched(row, kept, [s for s in ref if s.seconds_to and not s.diverged])
+        _matched(row, kept, [s for s in ref if not s.diverged])
     row.verdict = verdict(row, reference)
     return row
 
@@ -291,7 +296,7 @@ def _matched(row: Row, seeds: list[Seed], ref: list[Seed]) -> None:
     its last step at its own rate, so counting it can only lower the estimate, never raise it."""
     hit = {s.seed: (s.steps_to, s.seconds_to) for s in seeds if s.seconds_to}
     censored = [s for s in seeds if not s.seconds_to]
-    ref_at = {s.seed: (s.steps_to, s.seconds_to) for s in ref}
+    ref_at = reference_times(ref)
     usual = statistics.median(t / n for n, t in hit.values())
     if set(hit) | {s.seed for s in censored} == set(ref_at) and len(ref_at) >= 2:
         row.paired = True  # seed k of each precision: the same initial weights and batch order
@@ -303,6 +308,8 @@ def _matched(row: Row, seeds: list[Seed], ref: list[Seed]) -> None:
         ratio = lambda i: [ref_at[k][i] / hit[k][i] for k in keys]  # noqa: E731
         per_step = [(ref_at[k][1] / ref_at[k][0]) / (hit[k][1] / hit[k][0]) for k in keys]
         row.speedup, row.interval = paired_interval(ratio(1))
+        row.prediction = prediction_interval(ratio(1))
+        row.leave_one_out = leave_one_out(dict(zip(keys, ratio(1))))
         row.convergence, row.convergence_interval = paired_interval(ratio(0))
         row.rate_ratio, row.rate_interval = paired_interval(per_step)
     else:  # the seeds do not pair: ratios of geometric means, Welch's t on the logs
@@ -321,6 +328,22 @@ def _matched(row: Row, seeds: list[Seed], ref: list[Seed]) -> None:
     row.steps_to = statistics.fmean(hit[k][0] for k in hit)
     row.seconds_to = mean_std([hit[k][1] for k in sorted(hit)])
     row.log_spread = _log_spread(row, ref_at, hit) if row.paired else None
+
+
+def reference_times(ref: list[Seed]) -> dict[int, tuple[float, float]]:
+    """{seed: (steps, seconds)} to the target for the reference's seeds. One that never
+    reaches it (an explicit target below its curve) is censored at a bound, not dropped:
+    at least its whole training time and the slowest reaching seed's; dropping it would keep
+    only the reference's fast seeds, bias its time low, and break the pairing."""
+    at = {s.seed: (s.steps_to, s.seconds_to) for s in ref if s.seconds_to}
+    if not at:
+        return {}
+    slowest = max(t for _, t in at.values())
+    usual = statistics.median(t / n for n, t in at.values())
+    for s in ref:
+        if not s.seconds_to:
+            at[s.seed] = _bound(s, max(slowest, _spent(s)), usual)
+    return at
 
 
 def _bound(s: Seed, seconds: float, usual: float) -> tuple[float, float]:

@@ -85,6 +85,7 @@ def markdown(result: dict) -> str:
         out.append(
             "- per-seed spread of the log speedup (first passage, paired): " + ", ".join(spreads)
         )
+    out += _prediction(result)
     out += _length_table(result)
     out += curve_table(result)
     censored = sum(len(r.censored) for r in result["rows"])
@@ -101,6 +102,40 @@ def markdown(result: dict) -> str:
         out += ["", "Left out (not counted as seeds):"]
         out += [f"- {escape(why)}" for why in result["left_out"]]
     return "\n".join(out) + "\n"
+
+
+def _prediction(result: dict) -> list[str]:
+    """One new seed pair's speedup (the prediction interval), and each seed against the
+    interval the others give it (leave one out)."""
+    rows = [r for r in result["rows"] if r.prediction]
+    if not rows:
+        return []
+    out = [
+        "",
+        "### One new pair of runs",
+        "",
+        f"The interval above is the mean's: it narrows as seeds are added. One new run of each "
+        f"precision (a user's) lands in the {LEVEL:.0%} prediction interval, the per-seed log "
+        "ratios' mean ± t sd sqrt(1 + 1/n), which does not narrow. Leave one out: each seed "
+        "against the prediction interval of the others (at 95 %, about 1 in 20 falls outside).",
+        "",
+        "| precision | speedup (mean's interval) | one new pair (prediction) | seeds inside the "
+        "others' interval | outside |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        inside = [x for x in r.leave_one_out if x["inside"]]
+        outside = ", ".join(
+            f"seed {x['seed']} {x['ratio']:.2f} ({x['interval'][0]:.2f}-{x['interval'][1]:.2f})"
+            for x in r.leave_one_out
+            if not x["inside"]
+        )
+        out.append(
+            f"| {escape(r.precision)} | {_ratio(r.speedup, r.interval)} | "
+            f"{r.prediction[0]:.2f}-{r.prediction[1]:.2f} | "
+            f"{len(inside)} of {len(r.leave_one_out)} | {outside or '-'} |"
+        )
+    return out
 
 
 def _noise(n: dict | None) -> list[str]:
