@@ -402,14 +402,23 @@ def write(
     budget: int | None = None,
     smooth: str = "none",
     fit_from: int | None = None,
+    width: float | None = None,
+    max_seeds: int = 16,
 ) -> dict:
-    """study.md, study.json and study.png in the sweep dir; returns the result."""
+    """study.md, study.json and study.png in the sweep dir; returns the result. `width`: the
+    seeds were added until every interval was this narrow (python -m mixprec.study run), so
+    the intervals' coverage under that rule is simulated and they are widened back to 95 %."""
     left_out: list[str] = []
     seeds = read_seeds(sweep_dir, left_out)
     if not seeds:
         why = f" ({'; '.join(left_out)})" if left_out else ""
         raise ConfigError(f"{sweep_dir}: no run dirs (with .hydra/) in it to study{why}")
     result = analyse(seeds, reference, target, budget, smooth, fit_from)
+    if width is not None:
+        from mixprec.report import coverage
+        from mixprec.report.seeds import FIRST_SEEDS
+
+        result["coverage"] = coverage.of_study(result, width, FIRST_SEEDS, max_seeds)
     result["left_out"] = left_out
     result["eval_noise"] = eval_noise(seeds, reference)
     plain = {**result, "rows": [asdict(r) for r in result["rows"]]}
@@ -439,7 +448,7 @@ def sweep_study(sweep_dir: Path) -> dict:
         cfg = local.run_config(run)
         study = cfg.get("study") if isinstance(cfg, dict) else None
         if isinstance(study, dict):
-            keys = ("reference", "target", "budget", "smooth", "fit_from")
+            keys = ("reference", "target", "budget", "smooth", "fit_from", "width", "max_seeds")
             said = {k: study[k] for k in keys if study.get(k) is not None}
             for key, value in said.items():  # a run's config is read, never trusted
                 try:
@@ -463,6 +472,16 @@ def _smooth(text: str) -> str:
     if text not in SMOOTH:
         raise argparse.ArgumentTypeError(f"{text!r}: one of {', '.join(SMOOTH)}")
     return text
+
+
+def _width(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a half-width on the log scale in (0, 1)")
+    return v
 
 
 def _at_least_1(text: str) -> int:
@@ -492,8 +511,10 @@ READ = {
     "budget": _at_least_1,
     "smooth": _smooth,
     "fit_from": _at_least_1,
+    "width": _width,
+    "max_seeds": _at_least_1,
 }
-NUMBERS = ("target", "budget", "fit_from")
+NUMBERS = ("target", "budget", "fit_from", "width", "max_seeds")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -512,6 +533,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--fit-from", type=_at_least_1, default=None, help="first step fitted (10 %% of the last)"
     )
+    ap.add_argument(
+        "--width",
+        type=_width,
+        default=None,
+        help="the seeds were added until every interval's half-width (log) was this (the "
+        "sweep's study.width): their coverage under that rule is simulated",
+    )
+    ap.add_argument(
+        "--max-seeds", type=_at_least_1, default=None, help="... or until this many (16)"
+    )
     a = ap.parse_args(argv)
     if not a.sweep.is_dir():
         ap.error(f"{a.sweep} does not exist or is not a directory")  # exit 2, as diagnose's
@@ -525,6 +556,8 @@ def main(argv: list[str] | None = None) -> None:
             pick("budget", a.budget),
             pick("smooth", a.smooth, "none"),
             pick("fit_from", a.fit_from),
+            pick("width", a.width),
+            pick("max_seeds", a.max_seeds, 16),
         )
     print(markdown(result))
     print(f"wrote {a.sweep / 'study.md'}, study.json, study.png")
