@@ -674,8 +674,9 @@ def test_the_long_study_read_again_counts_no_reaching_seed_as_censored(tmp_path)
     target is censored, and every row's speedup is its rate ratio x its convergence ratio. At
     the round's old fitted target (1.8117), fp8 seed 4 reaches it (step 1,074 from its
     evaluations), where the fit had censored it."""
-    from mixprec.report.quality import analyse, sweep_study
+    from mixprec.report.quality import analyse
     from mixprec.report.seeds import read_seeds
+    from mixprec.report.study_cli import sweep_study
     from mixprec.sinks import local
 
     sweep = long_study(tmp_path)
@@ -730,8 +731,9 @@ def test_the_500_step_study_read_again_from_its_raw_evaluations(tmp_path):
     the linear interpolation between the two evaluations around its first crossing (read here
     from metrics.jsonl, not from the study), no seed is censored, and speedup = rate ratio x
     convergence ratio in every row and over the whole curve."""
-    from mixprec.report.quality import analyse, sweep_study
+    from mixprec.report.quality import analyse
     from mixprec.report.seeds import read_seeds
+    from mixprec.report.study_cli import sweep_study
     from mixprec.sinks import local
 
     sweep = study_500(tmp_path)

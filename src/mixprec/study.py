@@ -163,7 +163,7 @@ def main() -> None:
         except (HydraException, OmegaConfBaseException) as e:  # a typo, a value of a wrong type
             print(f"{ConfigError.label}: {' '.join(str(e).splitlines()[:2])}", file=sys.stderr)
             sys.exit(ConfigError.exit_code)
-    from mixprec.report.quality import main as study_main
+    from mixprec.report.study_cli import main as study_main
 
     study_main()
 

@@ -67,17 +67,7 @@ def markdown(result: dict) -> str:
         "| peak GiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in result["rows"]:
-        at_least = ">=" if r.censored else ""
-        out.append(
-            f"| {escape(r.precision)} | {r.seeds} | {_pm(r.rate, '{:,.0f}')} | "
-            f"{'-' if r.rate_vs_ref is None else f'{r.rate_vs_ref:.2f}'} | {_pm(r.final)} | "
-            f"{'-' if r.steps_to is None else f'{at_least}{r.steps_to:.0f}'} | "
-            f"{'' if r.seconds_to is None else at_least}{_pm(r.seconds_to, '{:.1f}')} | "
-            f"{'-' if r.speedup is None else f'**{r.speedup:.2f}**'} | "
-            f"{_interval(r)} | "
-            f"{r.skipped} | {'-' if r.peak_gib is None else f'{r.peak_gib:.1f}'} |"
-        )
+    out += [_table_row(r) for r in result["rows"]]
     out.append("")
     out += [f"- {escape(r.verdict)}" for r in result["rows"]]
     spreads = [f"{escape(r.precision)} {r.log_spread:.3f}" for r in result["rows"] if r.log_spread]
@@ -103,6 +93,19 @@ def markdown(result: dict) -> str:
         out += ["", "Left out (not counted as seeds):"]
         out += [f"- {escape(why)}" for why in result["left_out"]]
     return "\n".join(out) + "\n"
+
+
+def _table_row(r) -> str:
+    at_least = ">=" if r.censored else ""
+    return (
+        f"| {escape(r.precision)} | {r.seeds} | {_pm(r.rate, '{:,.0f}')} | "
+        f"{'-' if r.rate_vs_ref is None else f'{r.rate_vs_ref:.2f}'} | {_pm(r.final)} | "
+        f"{'-' if r.steps_to is None else f'{at_least}{r.steps_to:.0f}'} | "
+        f"{'' if r.seconds_to is None else at_least}{_pm(r.seconds_to, '{:.1f}')} | "
+        f"{'-' if r.speedup is None else f'**{r.speedup:.2f}**'} | "
+        f"{_interval(r)} | "
+        f"{r.skipped} | {'-' if r.peak_gib is None else f'{r.peak_gib:.1f}'} |"
+    )
 
 
 def _prediction(result: dict) -> list[str]:
