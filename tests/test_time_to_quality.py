@@ -885,3 +885,25 @@ def test_the_committed_study_read_again_with_its_width_prints_the_widened_interv
     assert "### Seeds added until ±0.05: what the intervals keep" in text
     row = next(line for line in text.splitlines() if line.startswith("| fp8 | 0.046"))
     assert "1.31 (1.2" in row, row
+
+
+def test_the_band_of_targets_gives_the_median_and_the_range_around_the_main_target(tmp_path):
+    """Issue 91: the speedup at the reference's worst loss at each step from 0.85x to 1.15x of
+    the budget. A known constant answer (fp8 0.5 s a step on bf16's curve) is 2.0 at every
+    target; on the committed 8 pairs the main target (step 350) is one of seven points and the
+    headline is their median."""
+    from mixprec.report.quality import analyse
+    from mixprec.report.seeds import read_seeds
+
+    curve = [5.0 - 0.1 * i for i in range(40)]
+    seeds = [seed("bf16", i, [v + 0.01 * i for v in curve]) for i in range(3)]
+    seeds += [seed("fp8", i, [v + 0.01 * i for v in curve], secs_per_step=0.5) for i in range(3)]
+    (known,) = analyse(seeds, "bf16", budget=200)["band"]
+    assert [p["step"] for p in known["points"]] == [170, 180, 190, 200, 210, 220, 230]
+    assert all(p["speedup"] == pytest.approx(2.0) for p in known["points"])
+    result = analyse(read_seeds(study_500(tmp_path)), "bf16", budget=350)
+    (fp8,) = result["band"]
+    at = {p["step"]: p["speedup"] for p in fp8["points"]}
+    assert len(at) == 7 and at[350] == pytest.approx(result["rows"][1].speedup)
+    assert fp8["range"][0] <= fp8["median"] <= fp8["range"][1]
+    assert fp8["median"] == pytest.approx(math.exp(statistics.median(map(math.log, at.values()))))

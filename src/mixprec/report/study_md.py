@@ -75,6 +75,7 @@ def markdown(result: dict) -> str:
         out.append(
             "- per-seed spread of the log speedup (first passage, paired): " + ", ".join(spreads)
         )
+    out += _band(result)
     out += _prediction(result)
     out += _coverage(result)
     out += _length_table(result)
@@ -93,6 +94,34 @@ def markdown(result: dict) -> str:
         out += ["", "Left out (not counted as seeds):"]
         out += [f"- {escape(why)}" for why in result["left_out"]]
     return "\n".join(out) + "\n"
+
+
+def _band(result: dict) -> list[str]:
+    """The speedup over a band of targets around the main one, and the headline to quote."""
+    rows = result.get("band") or []
+    if not rows:
+        return []
+    steps = [p["step"] for p in rows[0]["points"]]
+    out = [
+        "",
+        "### Over a band of targets",
+        "",
+        f"One target can sit where the precisions happen to be close or far. The targets here "
+        f"are the reference's worst loss at each step from {steps[0]} to {steps[-1]} (0.85x to "
+        "1.15x of its budget); the headline to quote is the band's median, its range beside it.",
+        "",
+        "| precision | headline: the band's median | range over the band | spread across it "
+        "(log) | at each step |",
+        "|---|---|---|---|---|",
+    ]
+    for b in rows:
+        each = ", ".join(f"{p['step']}: {p['speedup']:.2f}" for p in b["points"])
+        spread = "-" if b["log_spread"] is None else f"{b['log_spread']:.3f}"
+        out.append(
+            f"| {escape(b['precision'])} | **{b['median']:.2f}** | {b['range'][0]:.2f}-"
+            f"{b['range'][1]:.2f} | {spread} | {each} |"
+        )
+    return out
 
 
 def _table_row(r) -> str:
