@@ -513,3 +513,31 @@ def test_trainer_deterministic_switches_torchs_algorithms_on_for_its_run_and_off
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize(
+    "flags,warned",
+    [
+        ("fpu sse2 avx avx2 fma", True),  # AVX2 only: bf16 through float32 conversions
+        ("fpu sse2 avx2 avx512f avx512_bf16", False),
+        ("fpu sse2 avx2 amx_bf16 amx_tile", False),
+    ],
+)
+def test_bf16_on_a_cpu_without_native_bf16_warns_once_at_the_start(
+    tmp_path, monkeypatch, flags, warned
+):
+    """Issue 93, item 4: bf16 ran 17x slower than fp32 on an AVX2-only CPU with no word; amp
+    had one. The CPU's flags (Linux's cpuinfo) decide; a CPU with AVX512-BF16 or AMX is quiet."""
+    from mixprec.core import hardware
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n"
+    )
+    monkeypatch.setattr(hardware, "CPUINFO", cpuinfo)
+    said = precision.build(group("precision", "bf16"), group("scaler", "dynamic"), CPU).advice(
+        False
+    )
+    assert bool(said) == warned and (not said or "no native bfloat16" in said[0]), said
+    fp32 = precision.build(group("precision", "fp32"), group("scaler", "dynamic"), CPU)
+    assert fp32.advice(False) == []

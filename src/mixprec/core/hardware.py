@@ -146,6 +146,27 @@ def _auto(profiles: Profiles) -> HardwareConfig:
     return profiles.load(name)
 
 
+CPUINFO = Path("/proc/cpuinfo")
+# the CPU flags Linux gives for bfloat16 arithmetic in hardware: x86's AVX512-BF16 and AMX,
+# Arm's BF16 (ARMv8.6); without one, torch computes bf16 through float32 conversions
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_native_bf16() -> bool | None:
+    """Whether this CPU computes bfloat16 natively (None where Linux's cpuinfo is not there to
+    tell, e.g. macOS)."""
+    try:
+        text = CPUINFO.read_text(errors="replace")
+    except OSError:
+        return None
+    flags = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return any(f in flags for f in BF16_FLAGS) if flags else None
+
+
 def setup(hw: HardwareConfig, local_rank: int = 0) -> torch.device:
     """The device to train on (the process settings are process.apply's)."""
     device = torch.device(hw.device)

@@ -42,7 +42,7 @@ from omegaconf import MISSING
 from torch import nn
 from torch.amp import GradScaler
 
-from mixprec.core import early, targets
+from mixprec.core import early, hardware, targets
 from mixprec.core.errors import ConfigError, check
 
 log = logging.getLogger(__name__)
@@ -297,6 +297,18 @@ class Precision:
                 f"precision={self.name} on the CPU: float16 has no fast kernels there and runs "
                 "several times slower than fp32 or bf16 (measured on a 2-core CPU: "
                 "benchmarks/RESULTS.md); it shows the recipe works, not what it buys on a GPU"
+            ]
+        if (
+            self.device_type == "cpu"
+            and self.dtype is torch.bfloat16
+            and hardware.cpu_native_bf16() is False
+        ):
+            return [
+                f"precision={self.name} on this CPU: it has no native bfloat16 (no AVX512-BF16, "
+                "AMX or Arm BF16 in /proc/cpuinfo), so torch computes bf16 through float32 "
+                "conversions: 17x slower than fp32 on llama_tiny on a 2-core AVX2 CPU "
+                "(docs/usage.md). It shows the recipe works, not what bf16 buys on a GPU or a "
+                "CPU with bf16"
             ]
         return []
 
