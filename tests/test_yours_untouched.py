@@ -365,3 +365,24 @@ def test_a_checkpoint_over_the_file_size_limit_is_exit_8_and_loses_nothing(tmp_p
     out = p.stdout + p.stderr
     assert p.returncode == 8 and "file size limit" in out and "Traceback" not in out, out[-2000:]
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == kept
+
+
+def test_overwrite_refused_at_its_first_step_puts_the_previous_run_back(tmp_path, monkeypatch):
+    """The done criterion of issue 90 for overwrite=true: the previous run was removed before
+    the build, so a refusal at the first step lost it. It is set aside (renamed) and put back
+    byte for byte; a run that goes on removes it at its first checkpoint."""
+    run_dir = tmp_path / "run"
+    base = [*CPU_SMALL, "ckpt.every_steps=1", "trainer.max_steps=2"]
+    assert run.run(compose_cfg(base, run_dir))["status"] == "completed"
+    before = tree(run_dir)
+    loss, _ = loss_module(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError):
+        run.run(compose_cfg([*base, "overwrite=true", loss], run_dir))
+    assert tree(run_dir) == before
+    with pytest.raises(ConfigError):  # refused in the build: nothing of it was ever written
+        run.run(compose_cfg([*base, "overwrite=true", "+model.kwargs.nonsense=1"], run_dir))
+    assert tree(run_dir) == before
+    again = run.run(compose_cfg([*base, "overwrite=true", "seed=5"], run_dir))
+    assert again["status"] == "completed" and not list(run_dir.glob(".overwritten*"))
+    assert json.loads((run_dir / "summary.json").read_text())["seed"] == 5

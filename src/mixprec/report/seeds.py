@@ -151,7 +151,26 @@ def eval_noise(seeds: list, reference: str) -> dict | None:
     if noise is None or len(finals) < 2:
         return None
     spread = statistics.stdev(finals)
-    return {"noise": noise, "seed_spread": spread, "share": noise / spread if spread else None}
+    return {
+        "noise": noise,
+        "seed_spread": spread,
+        "share": noise / spread if spread else None,
+        "wobble": _median([wobble(s.curve) for s in ref]),
+    }
+
+
+def wobble(curve: list) -> float | None:
+    """How far a run's evaluations wobble around its own smooth curve, from half the run on
+    (where the curve is nearly straight between evaluations): the standard deviation of each
+    evaluation minus the mean of its two neighbours, / sqrt(1.5) (that difference of
+    independent errors has 1.5 times their variance). It is the weights' own movement at the
+    learning rate, what moves a crossing; the validation set's sampling error is mostly the
+    same offset for every seed (one set) and cancels in second differences as it drifts slowly."""
+    pts = [p for p in curve if math.isfinite(p.loss) and p.step >= curve[-1].step / 2]
+    if len(pts) < 5:
+        return None
+    d = [b.loss - (a.loss + c.loss) / 2 for a, b, c in zip(pts, pts[1:], pts[2:])]
+    return statistics.pstdev(d) / math.sqrt(1.5)
 
 
 FIRST_SEEDS = 3  # python -m mixprec.study run starts here (an interval needs 2; 3 is the norm)

@@ -3,8 +3,6 @@ speedup against training length with its two factors, and the rules (censoring, 
 
 from __future__ import annotations
 
-import math
-
 from mixprec.report.curves import FIT_NOISE, LEVEL
 from mixprec.report.report import escape
 
@@ -209,7 +207,8 @@ def _coverage(result: dict) -> list[str]:
 
 
 def _noise(n: dict | None) -> list[str]:
-    """The evaluation's own noise against the spread between seeds."""
+    """The two noises beside the spread between seeds: the validation set's (a common offset)
+    and the weights' wobble between evaluations (what moves a crossing)."""
     head = ["", "### Evaluation noise", ""]
     if not n:
         return head + [
@@ -217,23 +216,22 @@ def _noise(n: dict | None) -> list[str]:
             "validation set, logged at every evaluation), or the reference has fewer than 2 "
             "seeds."
         ]
-    share = n["share"]
-    if share is None:
-        verdict = "the seeds end at the same loss: nothing to compare the noise with"
-    elif share <= 0.25:
-        verdict = "small against it: the validation set is large enough for this study"
-    else:
-        more = max(4, math.ceil((share / 0.25) ** 2))
-        verdict = (
-            f"not small against it: a validation set {more}x as large (data.val_sequences, "
-            "or your val split) would bring it to a quarter (the noise falls as its square root)"
-        )
+    wobble = n.get("wobble")
+    moves = (
+        f"What moves a seed's crossing is its weights wobbling between evaluations: {wobble:.4f} "
+        "nats around its own smooth curve (the median over the reference's seeds of each "
+        "evaluation minus the mean of its neighbours, from half the run on), against the "
+        f"spread of the reference's final losses, {n['seed_spread']:.4f}. More seeds narrow the "
+        "answer; a larger validation set does not."
+        if wobble is not None
+        else "Too few evaluations from half the run on to measure the weights' wobble."
+    )
     return head + [
-        f"One evaluation's standard error, from the same weights on two halves of the "
-        f"validation set (val/loss_noise, the median over the reference's evaluations): "
-        f"{n['noise']:.4f}; the spread between the reference's seeds at the end (their final "
-        f"loss's standard deviation): {n['seed_spread']:.4f}; the noise is "
-        f"{'-' if share is None else f'{share:.0%}'} of the spread, {verdict}."
+        f"One evaluation's standard error from the validation set's sampling (val/loss_noise, "
+        f"the same weights on its two halves; the median over the reference's evaluations): "
+        f"{n['noise']:.4f}. Every seed is evaluated on the same set, so this error is mostly an "
+        "offset common to the seeds, not a spread between them: it does not set how far apart "
+        f"their crossings fall. {moves}"
     ]
 
 

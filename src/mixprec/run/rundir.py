@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import logging
@@ -21,13 +20,13 @@ import socket
 import stat
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from mixprec.core import files
 from mixprec.core.errors import ConfigError, RunDirBusy
+from mixprec.run.footprint import remove
 
 log = logging.getLogger(__name__)
 # what marks a mixprec run (last.dcp: ckpt.sharded's checkpoints)
@@ -150,120 +149,6 @@ def _same_file(fd: int, path: Path) -> bool:
 
 # what a run writes into its dir beside what made_by_a_run() names: Hydra's files, the console log
 JOURNAL = (".hydra", "train.log")
-# a found file up to this size is kept in memory so that a refused run can put it back whole
-# (larger ones, metrics.jsonl of a long run, are cut back to their length if the run appended)
-KEEP_BYTES = 64 << 20
-
-
-@dataclass
-class _Entry:
-    """One path as a run found it (lstat, never through a link)."""
-
-    kind: str  # "file", "dir", "link" or "other"
-    ino: int = 0
-    size: int = 0
-    mtime_ns: int = 0
-    mode: int = 0
-    data: bytes | None = None  # a small file's contents
-    target: str | None = None  # a link's
-    children: dict[str, _Entry] | None = None  # a real dir's entries, one level down
-
-
-def _entry(path: Path, depth: int = 0, keep: bool = False) -> _Entry | None:
-    """`path` as it is now; `depth` levels of a real dir's entries; `keep`: a small file's bytes."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if stat.S_ISLNK(st.st_mode):
-        return _Entry("link", target=os.readlink(path))
-    if stat.S_ISREG(st.st_mode):
-        data = None
-        if keep and st.st_size <= KEEP_BYTES:
-            with contextlib.suppress(OSError):  # an unreadable file: only its length is kept
-                data = _read_nofollow(path)
-        return _Entry("file", st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode, data)
-    if stat.S_ISDIR(st.st_mode):
-        kids = {p.name: _entry(p, depth - 1, keep) for p in path.iterdir()} if depth else None
-        kids = {k: v for k, v in kids.items() if v is not None} if kids is not None else None
-        return _Entry("dir", st.st_ino, mode=st.st_mode, children=kids)
-    return _Entry("other", st.st_ino)
-
-
-def _read_nofollow(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        return f.read()
-
-
-class Footprint:
-    """What a run dir held of the names a run writes, taken with the lock held before the run
-    writes anything; `withdraw()` takes a refused run back out of it: every path the run
-    created goes, every path it found is left or put back as it was. Nothing is ever deleted
-    or written through a link: a found link is a leaf, its target untouched."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.names = (*made_by_a_run(), *JOURNAL)
-        # (checkpoints are never read: a run refused before its first step writes none)
-        found = {n: _entry(run_dir / n, 1, keep=n != "checkpoints") for n in self.names}
-        self.found = {n: e for n, e in found.items() if e is not None}
-
-    def withdraw(self) -> None:
-        for name in self.names:
-            path = self.run_dir / name
-            before = self.found.get(name)
-            if before is None:
-                _remove(path)
-                continue
-            _put_back(path, before)
-            now = _entry(path)
-            if before.children is not None and now is not None and now.kind == "dir":
-                for child in list(path.iterdir()):
-                    was = before.children.get(child.name)
-                    _remove(child) if was is None else _put_back(child, was)
-
-
-def _remove(path: Path) -> None:
-    """Remove what the run made at `path`: a link itself (never what it points to), a file,
-    or a real folder with what is in it (shutil.rmtree unlinks links inside, never follows)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def _put_back(path: Path, before: _Entry) -> None:
-    """A found path as it was: a link re-made, a small file's bytes restored, a large file
-    cut back to its length where the run appended to it."""
-    now = _entry(path)
-    if before.kind == "link":
-        if now is None or now.kind != "link" or now.target != before.target:
-            _remove(path)
-            os.symlink(before.target, path)
-        return
-    if before.kind != "file" or (now is not None and now.kind == "dir"):
-        return
-    if now is not None and (now.ino, now.size, now.mtime_ns) == (
-        before.ino,
-        before.size,
-        before.mtime_ns,
-    ):
-        return
-    if before.data is not None:
-        if now is not None and now.kind == "link":
-            path.unlink()
-        files.write_atomic(path, before.data)
-        os.chmod(path, stat.S_IMODE(before.mode))
-    elif now is not None and now.kind == "file" and now.ino == before.ino:
-        if now.size > before.size:
-            os.truncate(path, before.size)
-    else:
-        log.warning("%s was changed by the refused run and is too large to put back", path)
 
 
 def _unlink_if_free(lock: Path) -> bool:
@@ -306,13 +191,14 @@ def holds_a_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in RUN_FILES)
 
 
-def prepare(run_dir: Path, resume: str | None, overwrite: bool) -> None:
+def prepare(run_dir: Path, resume: str | None, overwrite: bool) -> Aside | None:
     """Apply the rule for a run dir that already holds a run (call with the lock held):
     resume=auto continues it; a new run (resume=null, or from another run's checkpoint) needs
-    an empty run dir or overwrite=true. What dead writers left half-written goes first."""
+    an empty run dir or overwrite=true (then the previous run is set aside: the Aside). What
+    dead writers left half-written goes first."""
     clean_stale(run_dir)
     if not holds_a_run(run_dir) or resume == "auto":
-        return
+        return None
     if overwrite and resume and _inside(Path(resume).expanduser(), run_dir):
         raise ConfigError(
             f"resume={resume} with overwrite=true: overwrite would delete the checkpoint this run "
@@ -325,8 +211,46 @@ def prepare(run_dir: Path, resume: str | None, overwrite: bool) -> None:
             f"resume=auto, start it over with overwrite=true, or choose another "
             "hydra.run.dir"
         )
-    remove_run(run_dir)
-    log.warning("overwrite=true: removed the previous run's files from %s", run_dir)
+    log.warning(
+        "overwrite=true: the previous run's files in %s are set aside, and removed once this run "
+        "writes its first checkpoint or ends (a run refused before its first step puts them back)",
+        run_dir,
+    )
+    return Aside(run_dir)
+
+
+ASIDE = ".overwritten"  # <run dir>/.overwritten.<pid>: the previous run, until this one starts
+
+
+class Aside:
+    """overwrite=true: the previous run's files moved (renamed, nothing copied) into a hidden
+    folder of the run dir until this run has started for real. A run refused before that puts
+    them back (`put_back`), so a refusal changes nothing; otherwise they go (`drop`). Its own
+    checkpoints behind a linked checkpoints/ are removed at once (a rename would move the
+    link, and the new run's checkpoints would no longer go where it points)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir, self.dir = run_dir, run_dir / f"{ASIDE}.{os.getpid()}"
+        self.dir.mkdir()
+        self.moved: list[str] = []
+        for name in made_by_a_run():
+            path = run_dir / name
+            if name == "checkpoints" and path.is_symlink():
+                remove_run_checkpoints(path)
+            elif os.path.lexists(path):
+                os.rename(path, self.dir / name)
+                self.moved.append(name)
+
+    def put_back(self) -> None:
+        for name in self.moved:
+            remove(self.run_dir / name)  # the refused run's own, if it made one
+            os.rename(self.dir / name, self.run_dir / name)
+        self.moved = []
+        self.drop()
+
+    def drop(self) -> None:
+        if self.dir.exists():
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def clean_stale(run_dir: Path) -> None:
@@ -344,6 +268,11 @@ def clean_stale(run_dir: Path) -> None:
             if pid.isdigit() and not _alive(int(pid)):
                 tmp.unlink(missing_ok=True)
                 log.info("removed %s, left by a writer that is gone (pid %s)", tmp, pid)
+        for aside in folder.glob(f"{ASIDE}.*") if folder == run_dir else ():
+            pid = aside.name.rsplit(".", 1)[-1]
+            if pid.isdigit() and not _alive(int(pid)):  # an overwrite=true run that was killed
+                shutil.rmtree(aside, ignore_errors=True)
+                log.info("removed %s, the run an overwrite=true run that is gone replaced", aside)
         for partial in folder.glob(".step_*.dcp.partial"):
             if not is_dcp(partial):
                 shutil.rmtree(partial, ignore_errors=True)
@@ -364,17 +293,21 @@ def remove_run(run_dir: Path) -> None:
     """Remove what a run left in its run dir (and nothing else that lives there)."""
     for name in made_by_a_run():
         path = run_dir / name
-        if name == "checkpoints" and path.is_dir():  # ours only: last.pt and step_*.pt
-            # (checkpoints/ linked to another disk: the run's own checkpoints there go, the link
-            # and everything else behind it stay)
-            for ckpt in [path / "last.pt", path / "last.dcp", *path.glob("step_*.pt")]:
-                ckpt.unlink(missing_ok=True)  # (last.dcp: a symlink)
-            for shards in [*path.glob("step_*.dcp"), *path.glob(".step_*.dcp.partial")]:
-                _remove(shards)
+        if name == "checkpoints" and path.is_dir():
+            remove_run_checkpoints(path)
             if not path.is_symlink() and not any(path.iterdir()):
                 path.rmdir()
         elif not path.is_symlink():  # a link is the user's: neither it nor its target goes
-            _remove(path)
+            remove(path)
+
+
+def remove_run_checkpoints(path: Path) -> None:
+    """A run's own checkpoints (last.pt, step_*.pt, sharded ones), also behind a linked
+    checkpoints/ (the link and everything else behind it stay)."""
+    for ckpt in [path / "last.pt", path / "last.dcp", *path.glob("step_*.pt")]:
+        ckpt.unlink(missing_ok=True)  # (last.dcp: a symlink)
+    for shards in [*path.glob("step_*.dcp"), *path.glob(".step_*.dcp.partial")]:
+        remove(shards)
 
 
 def _inside(path: Path, run_dir: Path) -> bool:
@@ -440,6 +373,11 @@ class Journal:
         self.buffer.flush()
         logging.getLogger().addHandler(self.file)
         logging.getLogger().removeHandler(self.buffer)
+
+    @property
+    def accepted(self) -> bool:
+        """Whether the run was accepted and wrote its files (its train.log is open)."""
+        return self.file is not None
 
     def close(self, run_dir: Path | None) -> None:
         """End of the run: close train.log, or (never accepted) drop the held records and the

@@ -42,6 +42,7 @@ from mixprec.report import plots as report_plots
 from mixprec.report import sweep
 from mixprec.run import build, messages, rundir, summary
 from mixprec.run.config import validate
+from mixprec.run.footprint import Footprint
 from mixprec.sinks import describe
 from mixprec.sinks.tracking import Tracker
 from mixprec.training import batch_size, loop, perf
@@ -145,14 +146,16 @@ def _run(cfg: DictConfig, journal: rundir.Journal) -> dict:
         c.run_dir = distributed.broadcast_str(c.run_dir, dd)  # rank 0's Hydra run dir
         run_dir = Path(c.run_dir)
         with rundir.RunDirLock(run_dir) if dd.main else nullcontext():
-            if dd.main:
-                rundir.prepare(run_dir, c.resume, c.overwrite)
+            aside = rundir.prepare(run_dir, c.resume, c.overwrite) if dd.main else None
             # what the dir holds before this run writes (a multirun job's row reads its dir)
-            found = rundir.Footprint(run_dir) if dd.main and not launch.multirun() else None
+            names = (*rundir.made_by_a_run(), *rundir.JOURNAL)
+            found = Footprint(run_dir, names) if dd.main and not launch.multirun() else None
             accept = (lambda: journal.accept(run_dir, cfg)) if dd.main else (lambda: None)
             resolved = OmegaConf.to_container(cfg, resolve=True)
             try:
-                return Session(build.build(c, hw, dd), resolved, accept).train()
+                session = Session(build.build(c, hw, dd), resolved, accept)
+                session.before_save = aside.drop if aside else session.before_save
+                return session.train()
             except ConfigError as e:  # refused at the first step: as if refused before it
                 if found is not None and getattr(e, "untrained", False):
                     journal.close(None)  # train.log closed, then withdrawn with the lock held
@@ -160,6 +163,10 @@ def _run(cfg: DictConfig, journal: rundir.Journal) -> dict:
                     e.withdrawn = True
                     log.info("nothing of the refused run is kept in %s", run_dir)
                 raise
+            finally:  # overwrite=true: the previous run back where nothing of this one stays
+                refused = getattr(sys.exc_info()[1], "withdrawn", False) or not journal.accepted
+                if aside is not None:
+                    aside.put_back() if refused else aside.drop()
     finally:
         distributed.close()
 
@@ -178,6 +185,7 @@ class Session:
         self.state_at_resume = 0.0  # wall seconds of the run before that checkpoint
         self.train_s_at_resume = 0.0  # seconds in training steps before it
         self.resumed_step = 0
+        self.before_save = lambda: None  # overwrite=true: the previous run goes before a checkpoint
         self.hooks: Hooks | None = None
         self.phases = hardware.PhaseMemory(
             parts.learner.model, parts.learner.optimizer, parts.device
@@ -381,6 +389,7 @@ class Session:
             files.write_json(self.p.run_dir / rundir.PLAN_FILE, plan)
 
     def _save(self, state: loop.TrainState) -> None:
+        self.before_save()
         state.elapsed_s = self.wall_s  # a resumed run's wall_s counts the earlier parts too
         state.train_s = self.train_s
         c = self.p.config  # every rank is here: gathering or writing shards are collectives
