@@ -152,6 +152,24 @@ DRIVEN_HERE = {
 # rows whose fault takes a subprocess signalled mid-run, a full disk or a GPU: the test that
 # drives it end to end, and the code it asserts there
 DRIVEN_ELSEWHERE = {
+    "`python -m mixprec.study run ...` into a sweep dir whose runs another config": (
+        "test_yours_untouched.py::"
+        "test_a_study_into_a_sweep_of_another_config_is_refused_naming_the_keys"
+    ),
+    "a `.lock` that is not a plain file": (
+        "test_yours_untouched.py::"
+        "test_a_planted_lock_is_one_named_line_and_its_target_is_never_written"
+    ),
+    "a `study.target`, `study.budget` or `study.fit_from` in a run's config": (
+        "test_report_hostile.py::"
+        "test_a_study_setting_a_runs_config_holds_is_checked_as_the_command_lines"
+    ),
+    "`benchmarks/profile_step.py` or `benchmarks/peers.py` with a bad argument": (
+        "test_profile_step.py::test_a_bad_command_is_one_line_and_exit_2"
+    ),
+    "`python -m mixprec.study run` with a typo": (
+        "test_yours_untouched.py::test_the_study_driver_refuses_a_bad_command_in_one_line"
+    ),
     "a dict sample past the first": (
         "test_own_code_errors.py::test_a_dict_sample_past_the_first_without_its_target_is_named_by_its_index"
     ),

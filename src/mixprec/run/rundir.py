@@ -237,9 +237,16 @@ class Aside:
             path = run_dir / name
             if name == "checkpoints" and path.is_symlink():
                 remove_run_checkpoints(path)
+            elif name == "checkpoints" and path.is_dir():  # the run's own, not what else is there
+                (self.dir / name).mkdir()
+                for ckpt in run_checkpoints(path):
+                    self._move(f"{name}/{ckpt.name}")
             elif os.path.lexists(path):
-                os.rename(path, self.dir / name)
-                self.moved.append(name)
+                self._move(name)
+
+    def _move(self, name: str) -> None:
+        os.rename(self.run_dir / name, self.dir / name)
+        self.moved.append(name)
 
     def put_back(self) -> None:
         for name in self.moved:
@@ -304,10 +311,16 @@ def remove_run(run_dir: Path) -> None:
 def remove_run_checkpoints(path: Path) -> None:
     """A run's own checkpoints (last.pt, step_*.pt, sharded ones), also behind a linked
     checkpoints/ (the link and everything else behind it stay)."""
-    for ckpt in [path / "last.pt", path / "last.dcp", *path.glob("step_*.pt")]:
-        ckpt.unlink(missing_ok=True)  # (last.dcp: a symlink)
-    for shards in [*path.glob("step_*.dcp"), *path.glob(".step_*.dcp.partial")]:
-        remove(shards)
+    for ckpt in run_checkpoints(path):
+        remove(ckpt)  # (last.dcp: a symlink, unlinked)
+
+
+def run_checkpoints(path: Path) -> list[Path]:
+    """What of a checkpoints/ folder a run wrote: last.pt, last.dcp, step_*.pt, step_*.dcp and
+    sharded writes that never finished; nothing else there is the run's."""
+    named = [path / "last.pt", path / "last.dcp"]
+    found = [*path.glob("step_*.pt"), *path.glob("step_*.dcp"), *path.glob(".step_*.dcp.partial")]
+    return [p for p in named if os.path.lexists(p)] + found
 
 
 def _inside(path: Path, run_dir: Path) -> bool:
