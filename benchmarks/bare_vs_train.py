@@ -467,7 +467,8 @@ def main() -> None:
                         else ""
                     )
                 ]
-                print(f"  [{r['spec']} on gpu {g}] {msg[0]}", flush=True)
+                where = "on the CPU" if g is None else f"on gpu {g}"
+                print(f"  [{r['spec']} {where}] {msg[0]}", flush=True)
                 out.write_text(
                     json.dumps({"meta": meta, "rows": [done[k] for k in sorted(done)]}, indent=2)
                 )

@@ -346,3 +346,19 @@ def test_the_fast_preset_takes_a_real_dataset(cfg_factory, tmp_path):
     root = make_folder(tmp_path / "imgs", n=2)
     c = validate(cfg_factory("experiment=fast", "data=imagenet", f"data.root={root}"))
     assert c.data.name == "imagenet" and c.model.compile_mode == "reduce-overhead"
+
+
+def test_cifar10_download_without_a_network_is_one_data_error(cfg_factory, tmp_path, monkeypatch):
+    """Issue 93, item 8: `data=cifar10 data.download=true` with no network was an 86-line
+    URLError traceback (exit 1); one DataError (exit 4) saying what to do instead."""
+    import urllib.error
+    import urllib.request
+
+    def no_network(*args, **kwargs):
+        raise urllib.error.URLError(OSError(101, "Network is unreachable"))
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    monkeypatch.setattr(urllib.request.OpenerDirector, "open", no_network)
+    cfg = cfg_factory("data=cifar10", f"data.root={tmp_path / 'c10'}", "data.download=true")
+    with pytest.raises(DataError, match="the download failed .*put cifar-10-batches-py"):
+        run.run(cfg)

@@ -643,3 +643,15 @@ def test_hf_special_tokens_fit_the_datas_vocabulary_and_known_notices_are_droppe
         pytree.warning("<enum 'X'> is an Enum subclass and is now natively supported by torch")
         pytree.warning("something else")
     assert "Enum subclass" not in caplog.text and "something else" in caplog.text
+
+
+def test_a_typo_in_a_hugging_face_config_field_gets_a_did_you_mean():
+    """Issue 93, item 8: `model.hf.overrides.hiden_size` said only "no such field"."""
+    from mixprec.core.errors import ConfigError
+    from mixprec.core.tasks import LanguageModel
+    from mixprec.models.hf import make_config
+
+    with pytest.raises(
+        ConfigError, match="LlamaConfig has no such field; did you mean hidden_size"
+    ):
+        make_config("llama", {"hiden_size": 64}, LanguageModel(), 256, (64,))

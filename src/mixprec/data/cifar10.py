@@ -10,7 +10,7 @@ from omegaconf import MISSING
 from torchvision import datasets
 from torchvision import transforms as T
 
-from mixprec.core.errors import ConfigError, check
+from mixprec.core.errors import ConfigError, DataError, check
 from mixprec.data.base import Context, Data, DataConfig
 from mixprec.data.images import loaders, subset
 
@@ -43,6 +43,12 @@ def build(cfg: Config, ctx: Context) -> Data:
         raise ConfigError(
             f"data.root={cfg.root!r}: {e} (data=cifar10 reads torchvision's "
             "cifar-10-batches-py there; data.download=true fetches it)"
+        ) from None
+    except OSError as e:  # data.download=true without a network (URLError is an OSError)
+        raise DataError(
+            f"data=cifar10 data.download=true: the download failed ({type(e).__name__}: "
+            f"{getattr(e, 'reason', e)}); without a network, put cifar-10-batches-py under "
+            f"data.root={cfg.root!r} by hand"
         ) from None
     train, val = loaders(subset(train_ds, cfg.subset, 0), subset(val_ds, cfg.subset, 1), ctx, STATS)
     return Data(train, val, 10, (3, 32, 32))

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mixprec.core.errors import ConfigError
+from mixprec.core.errors import ConfigError, nearest
 from mixprec.models.parts import blocks_of
 
 INSTALL = "pip install -e '.[hf]' (or pip install transformers)"
@@ -60,7 +60,10 @@ def make_config(name: str, overrides: dict, task, num_classes: int, input_shape)
         ) from None
     for key in overrides:
         if not hasattr(base, key):
-            raise ConfigError(f"model.hf.overrides.{key}: {type(base).__name__} has no such field")
+            raise ConfigError(
+                f"model.hf.overrides.{key}: {type(base).__name__} has no such field"
+                f"{nearest(str(key), base.to_dict())}"
+            )
     data = {"use_cache": False}
     if task.name == "lm" or getattr(task, "vocab", None):
         data["vocab_size"] = num_classes if task.name == "lm" else task.vocab
