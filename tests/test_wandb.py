@@ -108,6 +108,8 @@ def test_a_sweep_and_its_report_run_share_project_mode_and_a_dated_group(tmp_pat
     jobs = [r for r in runs if r.job_type != "report"]
     (report,) = [r for r in runs if r.job_type == "report"]
     assert len(jobs) == 2 and {r.config["precision"] for r in jobs} == {"fp32", "bf16"}
+    # each named by what the sweep varies, not by all its overrides (issue 93, item 2)
+    assert {r.name for r in jobs} == {"precision=fp32", "precision=bf16"}
     assert {r.group for r in runs} == {"default-2026-11-30_12-00-00"}
     assert {r.project for r in runs} == {"mixprec-sweep"}
     for job in jobs:  # one run dir, meeting the run-dir contract, and one W&B run per job

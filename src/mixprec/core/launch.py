@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
 
 from mixprec.core import files
 from mixprec.core.errors import ConfigError, Unwritable
@@ -40,9 +41,34 @@ def sweep_dir() -> Path | None:
 
 
 def job_name(run_dir: Path) -> str:
-    """The job's overrides as one string (`precision=amp,batch=64`), else its run dir's name."""
+    """What tells the job apart in its sweep: its values of the keys the sweep varies
+    (`precision=bf16,seed=2`), not every override (`data.path=<your folder>,...` made W&B's run
+    names unreadable: the rest is in the run's config); else its overrides as one string, else
+    its run dir's name."""
     hc = hydra_config()
-    return (hc.job.override_dirname if hc else "") or Path(run_dir).name
+    if hc is None:
+        return Path(run_dir).name
+    swept = swept_keys()
+    mine = [o for o in hc.overrides.task if o.split("=", 1)[0].lstrip("+~") in swept]
+    return ",".join(mine) or hc.job.override_dirname or Path(run_dir).name
+
+
+def swept_keys() -> set[str]:
+    """The keys this multirun varies: a sweep on the command line (`precision=fp32,bf16`,
+    `range(...)`) or in the sweeper's params (the study presets'), read from the sweep's
+    multirun.yaml, which Hydra writes before the first job."""
+    sweep = sweep_dir()
+    if not multirun() or sweep is None or not (sweep / "multirun.yaml").is_file():
+        return set()
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        saved = OmegaConf.load(sweep / "multirun.yaml").hydra
+        overrides = OverridesParser.create().parse_overrides(list(saved.overrides.task))
+        params = saved.sweeper.get("params") or {}
+    except Exception:  # noqa: BLE001 (a file Hydra wrote; unreadable: the names stay long)
+        return set()
+    return {o.key_or_group for o in overrides if o.is_sweep_override()} | set(params)
 
 
 def task_overrides() -> list[str]:
@@ -53,7 +79,6 @@ def task_overrides() -> list[str]:
 def hydra_files(cfg) -> dict[str, str]:
     """What Hydra writes into `.hydra/` (config.yaml, hydra.yaml, overrides.yaml), as text;
     empty outside Hydra (a script, or torchrun's other ranks)."""
-    from omegaconf import OmegaConf
 
     hc = hydra_config()
     if hc is None:
