@@ -895,6 +895,7 @@ def test_the_committed_study_read_again_with_its_width_prints_the_widened_interv
     assert 0.85 < cov["all"] < 0.92 and 1.2 < cov["inflation"] < 1.6
     text = (sweep / "study.md").read_text()
     assert "### Seeds added until ±0.05: what the intervals keep" in text
+    assert "- measured over runs of 500 steps" in text  # the horizon it carries to
     row = next(line for line in text.splitlines() if line.startswith("| fp8 | 0.046"))
     assert "1.31 (1.2" in row, row
 
@@ -919,3 +920,21 @@ def test_the_band_of_targets_gives_the_median_and_the_range_around_the_main_targ
     assert len(at) == 7 and at[350] == pytest.approx(result["rows"][1].speedup)
     assert fp8["range"][0] <= fp8["median"] <= fp8["range"][1]
     assert fp8["median"] == pytest.approx(math.exp(statistics.median(map(math.log, at.values()))))
+
+
+def test_a_run_longer_than_the_presets_measured_study_warns_the_answer_may_not_carry(caplog):
+    """Issue 91, item 5: quality_lm_long's answer was measured at 500 steps (study.measured_to);
+    its convergence ratio changes with the length (1,200 steps gave 1.13x), so a longer
+    trainer.max_steps says so at the start, and the preset's own length does not."""
+    from mixprec.run.build import beyond_the_study
+    from mixprec.run.config import validate
+
+    from conftest import compose_cfg
+
+    c = validate(compose_cfg(["experiment=quality_lm_long", "hardware=cpu", "needs_gpu=false"]))
+    assert c.study.measured_to == 500
+    with caplog.at_level("WARNING"):
+        beyond_the_study(c, 500)
+        assert "may not carry" not in caplog.text
+        beyond_the_study(c, 2000)
+    assert "takes 2000 optimizer steps" in caplog.text and "measured at 500" in caplog.text

@@ -80,6 +80,7 @@ class StudyConfig:
     fit_from: Optional[int] = MISSING  # the first step fitted; null: 10 % of the last step
     width: Optional[float] = MISSING  # seeds added until every half-width (log) is this; null
     max_seeds: int = MISSING  # ... or until this many seeds (python -m mixprec.study run)
+    measured_to: Optional[int] = MISSING  # the run length the preset's answer was measured at
 
     def __post_init__(self) -> None:
         check(self.target is None or self.target > 0, "study.target", self.target, "null or > 0")
@@ -97,6 +98,12 @@ class StudyConfig:
             "null or a half-width on the log scale in (0, 1), e.g. 0.05 (a speedup within ~5 %)",
         )
         check(self.max_seeds >= 2, "study.max_seeds", self.max_seeds, "an int >= 2")
+        check(
+            self.measured_to is None or self.measured_to >= 1,
+            "study.measured_to",
+            self.measured_to,
+            "null or an optimizer step >= 1",
+        )
         check(
             self.budget is None or self.budget >= 1,
             "study.budget",

@@ -68,6 +68,7 @@ def markdown(result: dict) -> str:
     out += [_table_row(r) for r in result["rows"]]
     out.append("")
     out += [f"- {escape(r.verdict)}" for r in result["rows"]]
+    out += _horizon(result)
     spreads = [f"{escape(r.precision)} {r.log_spread:.3f}" for r in result["rows"] if r.log_spread]
     if spreads:
         out.append(
@@ -92,6 +93,18 @@ def markdown(result: dict) -> str:
         out += ["", "Left out (not counted as seeds):"]
         out += [f"- {escape(why)}" for why in result["left_out"]]
     return "\n".join(out) + "\n"
+
+
+def _horizon(result: dict) -> list[str]:
+    """The length the answer was measured at: the convergence ratio changes with it."""
+    ends = [s.curve[-1].step for s in result.get("seeds", []) if s.curve]
+    if not ends:
+        return []
+    return [
+        f"- measured over runs of {min(ends)} steps (the reference's shortest): the convergence "
+        "ratio, and so the speedup, changes with the length of training; this answer is not "
+        "one for longer runs"
+    ]
 
 
 def _band(result: dict) -> list[str]:
