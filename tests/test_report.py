@@ -237,3 +237,30 @@ def test_the_curves_draw_only_what_some_run_logged():
     assert [k for k, _ in curve_panels(lm)] == ["train/loss", "val/loss"]
     vision = [run("fp32", **{"val/acc1": 0.5}), run("amp", 65536.0, **{"val/acc1": 0.5})]
     assert [k for k, _ in curve_panels(vision)] == ["train/loss", "amp/loss_scale", "val/acc1"]
+
+
+def test_the_sweep_plots_tell_runs_apart_keep_bars_above_0_and_draw_loss_against_time():
+    """Issue 93, item 3: one colour per precision hid a precision's seeds and batch sizes
+    behind each other; report_bars.png's error bar went below 0 samples/s; there was no loss
+    against time outside studies."""
+    from mixprec.report.plots import bar_errors, curve_panels, styles
+
+    runs = [{"run": f"{p},seed={s}", "precision": p} for p in ("fp32", "bf16") for s in range(3)]
+    got = styles(runs)
+    assert len(set(got)) == 6  # no two runs drawn alike
+    assert len({c for c, _, _ in got[:3]}) == 1 and len({c for c, _, _ in got[3:]}) == 1
+    assert len({(line, mark) for _, line, mark in got[:3]}) == 3
+    below, above = bar_errors([100.0, 50.0], [1.5, 0.1])  # a spread of 150 %: not to -50
+    assert below == [100.0, 5.0] and above == [150.0, 5.0]
+    timed = [
+        {
+            "run": "bf16",
+            "precision": "bf16",
+            "loss_scale": None,
+            "curves": [
+                {"step": s, "train/loss": 1.0 / s, "val/loss": 2.0 / s, "time/train_s": 0.5 * s}
+                for s in (10, 20)
+            ],
+        }
+    ]
+    assert curve_panels(timed)[-1] == ("val/loss@time", "val loss against training seconds")

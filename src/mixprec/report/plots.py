@@ -28,7 +28,7 @@ COLOURS = {
 def _bars(ax, runs: list[dict], key: str, title: str, spread: str | None) -> None:
     labels = [r["run"] for r in runs]
     values = [_num(r.get(key)) or 0.0 for r in runs]
-    errors = [(_num(r.get(spread)) or 0.0) * v for r, v in zip(runs, values)] if spread else None
+    errors = bar_errors(values, [_num(r.get(spread)) for r in runs]) if spread else None
     colours = [COLOURS.get(r.get("precision"), "tab:olive") for r in runs]
     bars = ax.barh(labels, values, color=colours, xerr=errors, capsize=3)
     for bar, r in zip(bars, runs):
@@ -40,6 +40,30 @@ def _bars(ax, runs: list[dict], key: str, title: str, spread: str | None) -> Non
         ax.axvline(fp32[0], color="black", linestyle="--", linewidth=1, label="fp32")
     ax.set_title(title, loc="left", fontsize=10)
     ax.invert_yaxis()
+
+
+def bar_errors(values: list[float], spreads: list[float | None]) -> list[list[float]]:
+    """[below, above] of each bar: the relative spread x the value, never below 0 (a rate is
+    not negative: the bar's error stops at the axis)."""
+    above = [(sp or 0.0) * v for v, sp in zip(values, spreads)]
+    return [[min(e, v) for e, v in zip(above, values)], above]
+
+
+LINESTYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def styles(runs: list[dict]) -> list[tuple[str | None, str, str]]:
+    """(colour, line style, marker) of each run: its precision's colour, and within a
+    precision a style and a marker of its own (seeds, batch sizes), so no run hides another."""
+    seen: dict[str | None, int] = {}
+    out = []
+    for r in runs:
+        i = seen.get(r.get("precision"), 0)
+        seen[r.get("precision")] = i + 1
+        colour = COLOURS.get(r.get("precision"))
+        out.append((colour, LINESTYLES[i % len(LINESTYLES)], MARKERS[i % len(MARKERS)]))
+    return out
 
 
 def png(fig) -> bytes:
@@ -90,19 +114,33 @@ def draw(runs: list[dict], out_dir: Path) -> list[Path]:
     return paths
 
 
+TIMED = "@time"  # a panel of a key against training seconds (time/train_s), not steps
+
+
 def _points(r: dict, key: str) -> list:
     if key == "amp/loss_scale" and r.get("loss_scale") is None:
         return []  # no GradScaler: its logged scale of 1 is not a loss scale
+    if key.endswith(TIMED):
+        key = key.removesuffix(TIMED)
+        return [
+            (_num(m.get("time/train_s")), _num(m.get(key)))
+            for m in r["curves"]
+            if _num(m.get(key)) is not None and _num(m.get("time/train_s")) is not None
+        ]
     return [(m["step"], _num(m.get(key))) for m in r["curves"] if _num(m.get(key)) is not None]
 
 
 def curve_panels(runs: list[dict]) -> list[tuple[str, str]]:
     """(key, title) of each panel report_curves.png draws: none that no run logged."""
     val = "val/acc1" if any(_points(r, "val/acc1") for r in runs) else "val/loss"
-    panels = [("train/loss", "train loss")]
+    panels = [("train/loss", "train loss")] if any(_points(r, "train/loss") for r in runs) else []
     if any(_points(r, "amp/loss_scale") for r in runs):
         panels.append(("amp/loss_scale", "loss scale (runs with a GradScaler)"))
-    return panels + [(val, "val top-1" if val == "val/acc1" else "val loss")]
+    if any(_points(r, val) for r in runs) or not panels:  # (one panel at least: it says so)
+        panels.append((val, "val top-1" if val == "val/acc1" else "val loss"))
+    if any(_points(r, "val/loss" + TIMED) for r in runs):  # what precision buys: time to a loss
+        panels.append(("val/loss" + TIMED, "val loss against training seconds"))
+    return panels
 
 
 def _curves(plt, runs: list[dict], out_dir: Path) -> Path:
@@ -112,14 +150,20 @@ def _curves(plt, runs: list[dict], out_dir: Path) -> Path:
     panels = curve_panels(runs)
     fig, axes = plt.subplots(1, len(panels), figsize=(5.7 * len(panels), 4.8), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels):
-        for r in runs:
+        for r, (colour, line, mark) in zip(runs, styles(runs)):
             pts = _points(r, key)
             if pts:
-                colour = COLOURS.get(r.get("precision"), None)
-                mark = "." if len(pts) < 30 else None
-                ax.plot(*zip(*pts), marker=mark, label=r["run"], alpha=0.85, color=colour)
+                ax.plot(
+                    *zip(*pts),
+                    linestyle=line,
+                    marker=mark if len(pts) < 30 else None,
+                    markersize=6 if len(pts) < 4 else 4,  # a short run: its points, seen
+                    label=r["run"],
+                    alpha=0.8,
+                    color=colour,
+                )
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("optimizer step")
+        ax.set_xlabel("training seconds" if key.endswith(TIMED) else "optimizer step")
         if key == "amp/loss_scale":
             ax.set_yscale("log", base=2)
         if ax.lines:
