@@ -259,3 +259,15 @@ def test_a_speedup_is_resolved_against_how_much_repeated_runs_differ():
     assert table[("bf16", "1")]["speedup_resolved"] is True
     assert table[("amp", "0")]["speedup_resolved"] is None
     assert table[("fp32", "0")]["speedup_resolved"] is None
+    # report.md says it in the speed-up's own cell (issue 93, item 3): bold, or marked
+    text = report.markdown(list(table.values()))
+    assert "speedup_resolved" not in text.splitlines()[0]
+    cells = {line.split(" | ")[0].strip("| "): line for line in text.splitlines()[2:]}
+    assert (
+        "**" in cells["precision=bf16,seed=1"]
+        and "(no difference)" in cells["precision=tf32,seed=0"]
+    )
+    assert (
+        "(unresolved)" in cells["precision=amp,seed=0"]
+        and "(unresolved)" not in cells["precision=fp32,seed=0"]
+    )
