@@ -152,6 +152,9 @@ DRIVEN_HERE = {
 # rows whose fault takes a subprocess signalled mid-run, a full disk or a GPU: the test that
 # drives it end to end, and the code it asserts there
 DRIVEN_ELSEWHERE = {
+    "a stop signal (Ctrl-C) during a multirun sweep": (
+        "test_signals.py::test_ctrl_c_in_a_sweep_writes_its_report_and_one_printed_command_finishes_it"
+    ),
     "`python -m mixprec.study run ...` into a sweep dir whose runs another config": (
         "test_yours_untouched.py::"
         "test_a_study_into_a_sweep_of_another_config_is_refused_naming_the_keys"

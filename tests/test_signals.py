@@ -343,3 +343,32 @@ def test_a_run_that_hangs_fails_with_its_stacks_and_leaves_no_process(tmp_path):
         not Path(f"/proc/{child}").exists()
         or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
     )
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_sweep_writes_its_report_and_one_printed_command_finishes_it(tmp_path):
+    """Issue 93, item 1: Ctrl-C during a plain `-m` sweep stopped the running job, the rest
+    never ran, no report.md was written, and the printed command resumed that one job only
+    (its report row then labelled `...,resume=auto`). Now the report of what ran is written,
+    and the one printed command finishes the sweep: the finished job is read back, the stopped
+    one continues, the last one runs, and the rows carry the sweep's own labels."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", "seed=0,1,2", "hardware=cpu", "logger=none", "trainer.max_steps=300"]
+    args += ["ckpt.every_steps=5", "trainer.log_every=50", f"hydra.sweep.dir={sweep}"]
+    proc = start(args)
+    wait_for_step(sweep / "1", proc, 10)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = finish(proc, 120)[0]
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out
+    line = next(x for x in out.splitlines() if "finish the sweep with: " in x)
+    command = line.split("finish the sweep with: ", 1)[1].split()
+    assert command[:3] == ["python", "train.py", "-m"] and "resume=auto" in command
+    report = (sweep / "report.md").read_text()
+    assert "preempted" in report and not (sweep / "2").exists()
+    done = run_train(command[2:])  # (run_train starts python train.py)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    for job in ("0", "1", "2"):
+        assert json.loads((sweep / job / "summary.json").read_text())["status"] == "completed"
+    report = (sweep / "report.md").read_text()
+    assert "resume=auto" not in report and report.count("| completed |") == 3, report

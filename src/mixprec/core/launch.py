@@ -57,18 +57,29 @@ def swept_keys() -> set[str]:
     """The keys this multirun varies: a sweep on the command line (`precision=fp32,bf16`,
     `range(...)`) or in the sweeper's params (the study presets'), read from the sweep's
     multirun.yaml, which Hydra writes before the first job."""
-    sweep = sweep_dir()
-    if not multirun() or sweep is None or not (sweep / "multirun.yaml").is_file():
+    saved = sweep_overrides()
+    if saved is None:
         return set()
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
-        saved = OmegaConf.load(sweep / "multirun.yaml").hydra
-        overrides = OverridesParser.create().parse_overrides(list(saved.overrides.task))
-        params = saved.sweeper.get("params") or {}
+        overrides = OverridesParser.create().parse_overrides(saved[0])
     except Exception:  # noqa: BLE001 (a file Hydra wrote; unreadable: the names stay long)
         return set()
-    return {o.key_or_group for o in overrides if o.is_sweep_override()} | set(params)
+    return {o.key_or_group for o in overrides if o.is_sweep_override()} | saved[1]
+
+
+def sweep_overrides() -> tuple[list[str], set[str]] | None:
+    """This multirun's command-line overrides as typed (sweeps included) and its sweeper's
+    param keys, from the sweep's multirun.yaml; None outside a multirun or where unreadable."""
+    sweep = sweep_dir()
+    if not multirun() or sweep is None or not (sweep / "multirun.yaml").is_file():
+        return None
+    try:
+        saved = OmegaConf.load(sweep / "multirun.yaml").hydra
+        return list(saved.overrides.task), set(saved.sweeper.get("params") or {})
+    except Exception:  # noqa: BLE001 (a file Hydra wrote)
+        return None
 
 
 def task_overrides() -> list[str]:

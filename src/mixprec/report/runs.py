@@ -33,7 +33,7 @@ def _overrides(run: Path) -> list[str]:
     return [
         o
         for o in yaml.safe_load(path.read_text()) or []
-        if not o.startswith(("hydra.", "run_dir", "logger"))
+        if not o.startswith(("hydra.", "run_dir", "logger", "resume="))
     ]
 
 

@@ -118,6 +118,17 @@ class ReportCallback(Callback):
                 log.warning("report for %s failed: %s", sweep_dir, e)
 
 
+def interrupted() -> None:
+    """A stop signal ended the sweep in one of its jobs: the report of the jobs that ran (the
+    stopped one preempted) is written now, as the sweep's end would have; the job's final line
+    gave the one command that finishes the sweep (messages.sweep_resume_command)."""
+    from mixprec.core import launch
+
+    sweep_dir = launch.sweep_dir()
+    if sweep_dir is not None:
+        ReportCallback.write_report(sweep_dir)
+
+
 def _cuda() -> bool:
     import torch
 

@@ -28,6 +28,10 @@ def final_line(s) -> str:
     ckpt = sm["checkpoint"] or "none written"
     if s.status == "preempted":
         name = signal.Signals(s.error.signum).name
+        if launch.multirun() and not launch.own_process():  # the stop ends the whole sweep
+            return f"{head} ({name}); checkpoint: {ckpt}; finish the sweep with: " + (
+                sweep_resume_command() or resume_command(run_dir)
+            )
         return f"{head} ({name}); checkpoint: {ckpt}; continue with: {resume_command(run_dir)}"
     return f"{head} ({s.error.label if s.error else 'error'}); last checkpoint: {ckpt} -> {run_dir}"
 
@@ -52,6 +56,20 @@ def resume_command(run_dir: Path) -> str:
     args = [*keep, "resume=auto", f"hydra.run.dir={hydra_value(str(run_dir))}"]
     script = Path(sys.argv[0]).name or "train.py"
     return " ".join([*launcher(), script, *map(shlex.quote, args)])
+
+
+def sweep_resume_command() -> str | None:
+    """The one command that finishes an interrupted multirun: its overrides as typed (its
+    sweeps included, so every job keeps its dir), resume=auto and its sweep dir. Finished
+    jobs are read back, the stopped one continues from its checkpoint, the rest run, then
+    the report is written."""
+    saved, sweep = launch.sweep_overrides(), launch.sweep_dir()
+    if saved is None or sweep is None:
+        return None
+    keep = [o for o in saved[0] if not o.startswith(("resume=", "hydra.sweep.dir="))]
+    args = [*keep, "resume=auto", f"hydra.sweep.dir={hydra_value(str(sweep))}"]
+    script = Path(sys.argv[0]).name or "train.py"
+    return " ".join(["python", script, "-m", *map(shlex.quote, args)])
 
 
 def launcher() -> list[str]:

@@ -68,6 +68,8 @@ def main(cfg: DictConfig) -> float | None:
             summary.record_refusal(cfg, e)
             sweep.job_failed(cfg, e)
             return None
+        if launch.multirun():  # a stop ends the in-process sweep: its report of what ran
+            sweep.interrupted()
         raise SystemExit(e.exit_code) from None
     except Exception as e:  # a bug, or the user's own code raising
         if not launch.multirun():
