@@ -194,3 +194,17 @@ def test_an_in_process_sweeps_next_job_builds_without_the_last_jobs_model(cfg_fa
     for _ in range(2):
         run.run(cfg_factory("trainer.max_steps=2"))
     assert alive == [[], [False, False]]
+
+
+def test_every_log_line_has_an_eta_so_a_log_without_a_terminal_has_one(cfg_factory, caplog):
+    """Issue 93, item 7: the progress bar (and its ETA) shows only in a terminal; a log file
+    or a scheduler's output had none. Each step line says the time left at its window's pace."""
+    from mixprec.training.ledger import eta
+
+    assert eta(100, 1234.0) == " eta 2m03s" and eta(10_000, 900.0) == " eta 2h30m"
+    assert eta(0, 50.0) == "" and eta(5, float("nan")) == ""
+    caplog.set_level("INFO")
+    run.run(cfg_factory("trainer.max_steps=8", "trainer.log_every=2"))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert lines and all(" eta " in line for line in lines[:-1]), lines
+    assert " eta " not in lines[-1]  # the last step: nothing left

@@ -296,6 +296,7 @@ class StepLedger:
             + (f"{row['perf/tokens_per_s']:,.0f} tokens/s " if row["perf/tokens_per_s"] else "")
             + f"{row['perf/step_ms']:.1f} ms/step "
             f"peak {row['mem/peak_gib']:.2f} GiB"
+            + eta(self.plan.total_steps - self.state.step, row["perf/step_ms"])
         )
 
     def log_evaluation(self) -> None:
@@ -315,6 +316,17 @@ class StepLedger:
             self._check(self.last)
         if self.window_steps:
             self.state.last_loss = float(self.window_loss / self.window_steps)
+
+
+def eta(steps_left: int, step_ms: float) -> str:
+    """' eta 4m05s': the steps left at this window's pace (evaluations and checkpoints not
+    counted), in every log line, so a log without a terminal (a file, a scheduler's) has one."""
+    if steps_left <= 0 or not math.isfinite(step_ms) or step_ms <= 0:
+        return ""
+    secs = round(steps_left * step_ms / 1e3)
+    h, rest = divmod(secs, 3600)
+    m, sec = divmod(rest, 60)
+    return f" eta {h}h{m:02d}m" if h else f" eta {m}m{sec:02d}s"
 
 
 def save_if_healthy(save: Callable, state, guard: DivergenceGuard, model) -> bool:
