@@ -271,3 +271,40 @@ def test_a_speedup_is_resolved_against_how_much_repeated_runs_differ():
         "(unresolved)" in cells["precision=amp,seed=0"]
         and "(unresolved)" not in cells["precision=fp32,seed=0"]
     )
+
+
+def test_every_key_has_its_meaning_one_command_away_without_torch():
+    """Issue 93, item 6: `python train.py --help` took 6-12 s and showed a dozen keys; what each
+    meant lived in config.py. `python -m mixprec.keys` reads the YAML files' own comments."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, mixprec.keys as k; print(k.show(['trainer'])); "
+        "print(k.show(['data=text'])); print('torch' in sys.modules)"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    lines = p.stdout.splitlines()
+    assert lines[-1] == "False", p.stdout  # nothing composed, torch not imported
+    said = {line.split()[0]: line for line in lines[:-1]}
+    assert "run exactly this many optimizer steps" in said["trainer.max_steps=null"]
+    assert said["trainer:"] and "data.seq_len=128" in said
+    bad = subprocess.run(
+        [sys.executable, "-m", "mixprec.keys", "data=nope"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "the options of data: cifar10" in bad.stderr
+
+
+@pytest.mark.slow
+def test_smoke_on_runs_two_steps_of_any_preset_and_keeps_nothing_beside_its_dir(tmp_path):
+    """Issue 93, item 6: a one-flag smoke run (as lightning-hydra-template's debug=fdr), after a
+    preset: two steps, no logger, no checkpoint, in a dir of its own."""
+    run_dir = tmp_path / "smoke"
+    p = run_train(
+        ["model=resnet18", "data.shape=[3,32,32]", "data=synthetic", "hardware=cpu"]
+        + ["smoke=on", f"hydra.run.dir={run_dir}"]
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 2
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "wandb").exists()

@@ -2,7 +2,7 @@
 
 The code lives in subpackages by concern, on floors: a module may import its own subpackage and
 any subpackage on a lower floor, never one on its own floor or above (tests/test_layers.py checks
-every import, lazy ones included). The entry points at this level (diagnose, export, prepare,
+every import, lazy ones included). The entry points at this level (diagnose, export, keys, prepare,
 study, sync: `python -m mixprec.<name>`; api: `mixprec.train(...)` from Python) sit above
 them all.
 
