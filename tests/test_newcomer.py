@@ -210,7 +210,7 @@ def test_the_report_says_how_much_each_rate_moved_and_when_a_ratio_is_noise():
         table
     )
     assert "ran on a CPU" in text and "process RSS" in text
-    assert "not yet resolved" in text and "seed=0,1,2" in text
+    assert "1.2 (unresolved)" in text and "seed=0,1,2" in text  # said in its own cell
     assert "mfu" not in text.split("\n|")[1]  # a column empty in every row is not shown
 
 
