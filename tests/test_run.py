@@ -208,3 +208,22 @@ def test_every_log_line_has_an_eta_so_a_log_without_a_terminal_has_one(cfg_facto
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert lines and all(" eta " in line for line in lines[:-1]), lines
     assert " eta " not in lines[-1]  # the last step: nothing left
+
+
+def test_the_console_prefix_is_the_time_and_a_warning_says_so():
+    """Issue 93, item 7: Hydra's prefix (date, the logger's dotted name, the level: about 50
+    columns) wrapped every step line; the console keeps the time, and the level where it is a
+    warning or an error (train.log keeps the full prefix)."""
+    import logging
+
+    from mixprec.core.launch import ConsoleFormatter
+
+    f = ConsoleFormatter()
+
+    def line(level: int, msg: str) -> str:
+        record = logging.LogRecord("mixprec.training.ledger", level, __file__, 1, msg, None, None)
+        return f.format(record)
+
+    info, warn = line(logging.INFO, "step 2/4 loss 2.3"), line(logging.WARNING, "train longer")
+    assert info.endswith("] step 2/4 loss 2.3") and len(info) == len("[21:19:55] step 2/4 loss 2.3")
+    assert warn.endswith("] WARNING: train longer") and "mixprec.training" not in warn

@@ -5,6 +5,7 @@ with no overrides)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import traceback
@@ -85,6 +86,22 @@ def sweep_overrides() -> tuple[list[str], set[str]] | None:
 def task_overrides() -> list[str]:
     hc = hydra_config()
     return list(hc.overrides.task) if hc else []
+
+
+class ConsoleFormatter(logging.Formatter):
+    """The console's lines (conf/hydra/job_logging/mixprec.yaml): `[21:04:05] step 40/500 ...`,
+    and `[21:04:05] WARNING: ...` where it is one. Hydra's default prefix (the date, the
+    logger's dotted name, the level) took 50 columns and wrapped every step line."""
+
+    def __init__(self) -> None:
+        super().__init__("[%(asctime)s] %(message)s", "%H:%M:%S")
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        if record.levelno >= logging.WARNING:
+            stamp = f"[{self.formatTime(record, self.datefmt)}] "
+            text = f"{stamp}{record.levelname}: {text.removeprefix(stamp)}"
+        return text
 
 
 def hydra_files(cfg) -> dict[str, str]:
