@@ -541,3 +541,5 @@ def test_bf16_on_a_cpu_without_native_bf16_warns_once_at_the_start(
     assert bool(said) == warned and (not said or "no native bfloat16" in said[0]), said
     fp32 = precision.build(group("precision", "fp32"), group("scaler", "dynamic"), CPU)
     assert fp32.advice(False) == []
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # an AVX2-only host, emulated: no bf16
+    assert hardware.cpu_native_bf16() is False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import resource
 import sys
 from contextlib import contextmanager
@@ -152,9 +153,24 @@ CPUINFO = Path("/proc/cpuinfo")
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
 
+# oneDNN's instruction-set caps below bfloat16 arithmetic (ONEDNN_MAX_CPU_ISA, its names)
+NO_BF16_ISA = (
+    "SSE41",
+    "AVX",
+    "AVX2",
+    "AVX2_VNNI",
+    "AVX2_VNNI_2",
+    "AVX512_CORE",
+    "AVX512_CORE_VNNI",
+)
+
+
 def cpu_native_bf16() -> bool | None:
     """Whether this CPU computes bfloat16 natively (None where Linux's cpuinfo is not there to
-    tell, e.g. macOS)."""
+    tell, e.g. macOS). oneDNN capped below it (ONEDNN_MAX_CPU_ISA=AVX2: how an AVX2-only host
+    is emulated) counts as without."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in NO_BF16_ISA:
+        return False
     try:
         text = CPUINFO.read_text(errors="replace")
     except OSError:
