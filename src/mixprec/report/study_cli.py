@@ -37,46 +37,27 @@ def sweep_study(sweep_dir: Path) -> dict:
     return {}
 
 
-def _precision_name(text: str) -> str:
-    if not text:
-        raise argparse.ArgumentTypeError(f"{text!r}: a precision's name")
-    return text
+def _checked(cast, ok, what: str):
+    """A flag's (or a run config's) value: `cast` of the text where `ok` holds, else argparse's
+    one-line error saying what it must be."""
+
+    def read(text: str):
+        try:
+            v = cast(text)
+        except ValueError:
+            v = None
+        if v is None or not ok(v):
+            raise argparse.ArgumentTypeError(f"{text!r}: {what}")
+        return v
+
+    return read
 
 
-def _smooth(text: str) -> str:
-    if text not in SMOOTH:
-        raise argparse.ArgumentTypeError(f"{text!r}: one of {', '.join(SMOOTH)}")
-    return text
-
-
-def _width(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not 0 < v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a half-width on the log scale in (0, 1)")
-    return v
-
-
-def _at_least_1(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: an optimizer step >= 1")
-    return n
-
-
-def _loss(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: a finite validation loss > 0")
-    return v
+_precision_name = _checked(str, bool, "a precision's name")
+_smooth = _checked(str, lambda v: v in SMOOTH, f"one of {', '.join(SMOOTH)}")
+_width = _checked(float, lambda v: 0 < v < 1, "a half-width on the log scale in (0, 1)")
+_at_least_1 = _checked(int, lambda n: n >= 1, "an optimizer step >= 1")
+_loss = _checked(float, lambda v: math.isfinite(v) and v > 0, "a finite validation loss > 0")
 
 
 # how each study.* key a run's config holds is read (the command line's own checks)
