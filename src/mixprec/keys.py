@@ -14,7 +14,9 @@ import re
 import sys
 from pathlib import Path
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+from mixprec.core.early import CONF_DIR
+
+CONF = CONF_DIR
 LINE = re.compile(
     r"^(?P<indent>\s*)(?P<key>[A-Za-z_][\w-]*):(?P<value>[^#]*?)\s*(#\s?(?P<note>.*))?$"
 )
