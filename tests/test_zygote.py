@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -50,7 +51,7 @@ def test_a_config_error_from_the_zygote_exits_2_with_the_same_message(tmp_path, 
         monkeypatch.setenv("MIXPREC_TEST_ZYGOTE", "1" if how == "zygote" else "0")
         proc = run_train([*QUICK, "optimizer.lr=-1", f"hydra.run.dir={tmp_path / how}"])
         said = (proc.stdout + proc.stderr).strip().splitlines()[-1]
-        got[how] = (proc.returncode, said.split(" - ", 1)[-1])  # (less the time it was said)
+        got[how] = (proc.returncode, re.sub(r"^\[[\d:]+\] ", "", said))  # (less its time)
     assert got["zygote"] == got["process"]
     assert got["zygote"][0] == 2 and "optimizer.lr" in got["zygote"][1]
 
