@@ -19,6 +19,9 @@ log = logging.getLogger(__name__)
 # a found file up to this size is kept in memory so that a refused run can put it back whole
 # (larger ones, metrics.jsonl of a long run, are cut back to their length if the run appended)
 KEEP_BYTES = 64 << 20
+# inside a logger's folder only small files are kept (W&B's debug.log, replaced by its link):
+# a refused run adds its own run there and writes into nothing else; checkpoints/ is never read
+KEEP_INSIDE = {"checkpoints": 0, "wandb": 1 << 20, "tensorboard": 1 << 20}
 
 
 @dataclass
@@ -35,8 +38,9 @@ class _Entry:
     children: dict[str, _Entry] | None = None  # a real dir's entries, one level down
 
 
-def _entry(path: Path, depth: int = 0, keep: bool = False) -> _Entry | None:
-    """`path` as it is now; `depth` levels of a real dir's entries; `keep`: a small file's bytes."""
+def _entry(path: Path, depth: int = 0, keep: int = 0) -> _Entry | None:
+    """`path` as it is now; `depth` levels of a real dir's entries; the bytes of a file up to
+    `keep` bytes long."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -45,7 +49,7 @@ def _entry(path: Path, depth: int = 0, keep: bool = False) -> _Entry | None:
         return _Entry("link", target=os.readlink(path))
     if stat.S_ISREG(st.st_mode):
         data = None
-        if keep and st.st_size <= KEEP_BYTES:
+        if st.st_size <= keep:
             with contextlib.suppress(OSError):  # an unreadable file: only its length is kept
                 data = _read_nofollow(path)
         return _Entry("file", st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode, data)
@@ -71,8 +75,7 @@ class Footprint:
     def __init__(self, run_dir: Path, names: tuple[str, ...]) -> None:
         self.run_dir = run_dir
         self.names = names
-        # (checkpoints are never read: a run refused before its first step writes none)
-        found = {n: _entry(run_dir / n, 1, keep=n != "checkpoints") for n in self.names}
+        found = {n: _entry(run_dir / n, 1, KEEP_INSIDE.get(n, KEEP_BYTES)) for n in self.names}
         self.found = {n: e for n, e in found.items() if e is not None}
 
     def withdraw(self) -> None:
