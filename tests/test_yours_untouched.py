@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from mixprec.core.errors import ConfigError, RunDirBusy
 from mixprec.run import rundir
@@ -209,19 +210,23 @@ def test_resume_auto_refused_at_its_first_step_leaves_the_finished_run_as_it_was
 
 
 def crafted_cache(key: str) -> bytes:
-    """A compile-cache file as torch writes one, with one entry whose key is `key`."""
-    from torch.compiler._cache import (
-        AppendingByteSerializer,
-        CacheArtifactFactory,
-        CacheArtifactManager,
-        _serialize_single_cache,
-    )
+    """A compile-cache file as torch writes one, with one entry whose key is `key` (made with
+    torch's own writer; a torch whose writer is laid out otherwise skips the test)."""
+    try:
+        from torch.compiler._cache import (
+            AppendingByteSerializer,
+            CacheArtifactFactory,
+            CacheArtifactManager,
+            _serialize_single_cache,
+        )
 
-    CacheArtifactManager._ensure_cache_artifacts_registered()
-    entry = CacheArtifactFactory.create("inductor", key, b"attacker's content")
-    serializer = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
-    serializer.extend([("inductor", [entry])])
-    return serializer.to_bytes()
+        CacheArtifactManager._ensure_cache_artifacts_registered()
+        entry = CacheArtifactFactory.create("inductor", key, b"attacker's content")
+        serializer = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+        serializer.extend([("inductor", [entry])])
+        return serializer.to_bytes()
+    except (ImportError, AttributeError, TypeError) as e:
+        pytest.skip(f"torch {torch.__version__} writes its cache files otherwise ({e})")
 
 
 def test_a_crafted_compile_cache_writes_nothing_outside_torchs_cache(tmp_path, monkeypatch, caplog):

@@ -79,9 +79,10 @@ def cache_artifact_keys(blob: bytes) -> list[tuple[str, str]] | None:
     cannot read the file, or has no such reader."""
     try:
         from torch.compiler._cache import CacheArtifactManager
-    except ImportError:
+
+        artifacts = CacheArtifactManager.deserialize(blob)  # (no unpickling: strings and bytes)
+        if artifacts is None:
+            return None
+        return [(kind, str(a.key)) for kind, entries in artifacts.items() for a in entries]
+    except (ImportError, AttributeError, TypeError):  # another torch's layout: no reader
         return None
-    artifacts = CacheArtifactManager.deserialize(blob)  # (no unpickling: strings and bytes)
-    if artifacts is None:
-        return None
-    return [(kind, str(a.key)) for kind, entries in artifacts.items() for a in entries]
