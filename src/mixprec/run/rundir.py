@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -68,11 +69,15 @@ class RunDirLock:
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / files.RUN_LOCK
         self.fd: int | None = None
+        self.remove_empty_dir = False  # a withdrawn run: the dir Hydra made for it, if empty
 
     def __enter__(self) -> RunDirLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = open_lock(self.path, os.O_RDWR | os.O_CREAT)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = open_lock(self.path, os.O_RDWR | os.O_CREAT)
+            except FileNotFoundError:  # a withdrawn run removed its empty dir meanwhile
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -105,9 +110,13 @@ class RunDirLock:
 
     def __exit__(self, *exc) -> None:
         """The lock file goes with the run (removed while held: a process that opened it a
-        moment before finds it unlinked and takes the new one, _same_file)."""
+        moment before finds it unlinked and takes the new one, _same_file); a withdrawn run's
+        dir goes too where nothing else is left in it, still under the lock."""
         if self.fd is not None:
             self.path.unlink(missing_ok=True)
+            if self.remove_empty_dir:
+                with contextlib.suppress(OSError):  # the user's files are there: it stays
+                    self.path.parent.rmdir()
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None

@@ -4,7 +4,6 @@ into one clear message and its exit code (errors.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import logging
@@ -116,9 +115,6 @@ def run(cfg: DictConfig) -> dict:
         raise
     finally:
         journal.close(run_dir)
-        if getattr(sys.exc_info()[1], "withdrawn", False) and run_dir != Path("."):
-            with contextlib.suppress(OSError):  # empty now: the dir Hydra made for this run
-                run_dir.rmdir()
 
 
 def left_to_another(e: MixprecError, cfg) -> bool:
@@ -147,7 +143,7 @@ def _run(cfg: DictConfig, journal: rundir.Journal) -> dict:
     try:
         c.run_dir = distributed.broadcast_str(c.run_dir, dd)  # rank 0's Hydra run dir
         run_dir = Path(c.run_dir)
-        with rundir.RunDirLock(run_dir) if dd.main else nullcontext():
+        with rundir.RunDirLock(run_dir) if dd.main else nullcontext() as lock:
             aside = rundir.prepare(run_dir, c.resume, c.overwrite) if dd.main else None
             # what the dir holds before this run writes (a multirun job's row reads its dir)
             names = (*rundir.made_by_a_run(), *rundir.JOURNAL)
@@ -163,6 +159,7 @@ def _run(cfg: DictConfig, journal: rundir.Journal) -> dict:
                     journal.close(None)  # train.log closed, then withdrawn with the lock held
                     found.withdraw()
                     e.withdrawn = True
+                    lock.remove_empty_dir = run_dir != Path(".")  # (Hydra made it for this run)
                     log.info("nothing of the refused run is kept in %s", run_dir)
                 raise
             finally:  # overwrite=true: the previous run back where nothing of this one stays
