@@ -427,7 +427,7 @@ def test_the_plan_converts_each_layer_to_its_recipe_and_a_resume_keeps_it():
     prec = auto_plugin(fake_timer(calls))
     prec.prepare(precision.Context(example=lambda: torch.randn(4, 64)))
     model = prec.convert(Net())
-    assert type(model.wide1).__name__ == "Float8Linear" and type(model.narrow) is nn.Linear
+    assert type(model.wide1).__name__.endswith("Float8Linear") and type(model.narrow) is nn.Linear
     assert prec.converted == ["wide1", "wide2"] and prec.owned() == dict.fromkeys(
         prec.converted, "float8"
     )

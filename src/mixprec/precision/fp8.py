@@ -20,7 +20,7 @@ from torch import nn
 from mixprec.core.errors import ConfigError, check, one_of
 from mixprec.models.flops import blended_peak
 from mixprec.models.parts import head_of
-from mixprec.precision import fp8_early, fp8_layers, fp8_timing
+from mixprec.precision import fp8_early, fp8_layers, fp8_shared, fp8_timing
 from mixprec.precision.base import Precision, PrecisionConfig
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,9 @@ class Config(PrecisionConfig):
     fp8_all_gather: bool = (
         MISSING  # parallel=fsdp: gather float8 layers' weights in float8 (tensorwise)
     )
+    # shared: a tensorwise layer's float8 weight, cast in its forward, serves its backward too
+    # (fp8_shared.py); per_matmul: torchao's own forward, each matmul casting the weight
+    fp8_weight_cast: str = "shared"
     fp8_layers: str = "all"  # all: every eligible layer in fp8_recipe; auto: a measured plan
     fp8_candidates: List[str] = field(default_factory=lambda: ["tensorwise"])
     fp8_margin: float = 0.05  # auto: a layer goes float8 only if that beats bf16 by this much
@@ -46,6 +49,7 @@ class Config(PrecisionConfig):
         super().__post_init__()
         one_of("precision.fp8_recipe", self.fp8_recipe, RECIPES)
         one_of("precision.fp8_layers", self.fp8_layers, ("all", "auto"))
+        one_of("precision.fp8_weight_cast", self.fp8_weight_cast, fp8_shared.CHOICES)
         for recipe in self.fp8_candidates:
             one_of("precision.fp8_candidates", recipe, RECIPES)
         check(0 <= self.fp8_margin < 1, "precision.fp8_margin", self.fp8_margin, "in [0, 1)")
@@ -72,6 +76,7 @@ class Plugin(Precision):
     """bf16 autocast, with the eligible Linear layers converted to float8 training."""
 
     converted: list[str] = field(default_factory=list)  # names of the Float8Linear layers
+    shared: list[str] = field(default_factory=list)  # those whose weight is cast once a forward
     choices: dict = field(default_factory=dict)  # fp8_layers=auto: {layer: fp8_layers.Choice}
     plan_s: float = 0.0  # seconds the plan took (shapes, timings; 0: resumed or none)
     timed: int = 0  # GEMM timings it measured (0: every one came from the cache)
@@ -133,19 +138,35 @@ class Plugin(Precision):
                 config=self._torchao_config(recipe),
             )
         self.converted = [n for n in names if recipes[n] != fp8_layers.BF16]
+        self.shared = self._share_weight_casts(model)
         skipped = sorted(set(linears) - set(self.converted))
         log.info(
-            "precision=%s (%s%s): %d of %d Linear layers compute in float8; kept in bf16: %s",
+            "precision=%s (%s%s%s): %d of %d Linear layers compute in float8; kept in bf16: %s",
             self.name,
             "a measured plan"
             if self.cfg.fp8_layers == "auto"
             else f"{self.cfg.fp8_recipe} scaling",
             ", weights gathered in float8" if self._gathers_fp8(recipes) else "",
+            f", {len(self.shared)} weights cast once a forward" if self.shared else "",
             len(self.converted),
             len(linears),
             ", ".join(skipped[:6]) + (" ..." if len(skipped) > 6 else "") or "none",
         )
         return model
+
+    def _share_weight_casts(self, model: nn.Module) -> list[str]:
+        """precision.fp8_weight_cast=shared: the tensorwise layers' forward casts serve their
+        backward (fp8_shared.py); not under parallel=fsdp, which frees the gathered weight
+        after the forward (a kept float8 copy would undo that)."""
+        if self.cfg.fp8_weight_cast != "shared":
+            return []
+        if self.sharded:
+            log.info(
+                "precision.fp8_weight_cast=shared: not with parallel=fsdp (its gathered weights "
+                "are freed after the forward); each matmul casts the weight"
+            )
+            return []
+        return fp8_shared.share(model)
 
     def _layer_recipes(self, model: nn.Module, names: list[str]) -> dict[str, str]:
         """{eligible layer: recipe or bf16}: fp8_recipe everywhere, or (fp8_layers=auto) the
@@ -245,6 +266,7 @@ class Plugin(Precision):
             and self.cfg.fp8_all_gather
             and self.cfg.fp8_recipe == "tensorwise",
             "fp8_layers": len(self.converted),
+            "fp8_weight_cast": "shared" if self.shared else "per_matmul",
             "fp8_plan": self.cfg.fp8_layers,  # all, or auto (a measured per-layer plan)
         }
 
