@@ -89,6 +89,33 @@ def test_repeated_kv_heads_give_enable_gqas_values_and_gradients():
     assert grads[1][1].shape == (2, 2, 16, 8)  # the gradient comes back to the 2 kv heads
 
 
+def test_fused_projections_compute_the_unfused_decoder_with_its_weights_concatenated():
+    """model.kwargs.fused=true: wqkv = [wq; wk; wv] and w13 = [w1; w3] give the same logits and
+    the same gradients (split back), and the same FLOP count."""
+    plain, fused = tiny(), tiny(fused=True)
+    state = plain.state_dict()
+    for i in range(len(plain.layers)):
+        a, f = f"layers.{i}.attention.", f"layers.{i}.feed_forward."
+        state[a + "wqkv.weight"] = torch.cat(
+            [state.pop(a + w + ".weight") for w in ("wq", "wk", "wv")]
+        )
+        state[f + "w13.weight"] = torch.cat([state.pop(f + w + ".weight") for w in ("w1", "w3")])
+    fused.load_state_dict(state)
+    x = torch.randint(0, 64, (2, 32))
+    for m in (plain, fused):
+        F.cross_entropy(m(x).flatten(0, 1), x.flatten()).backward()
+    torch.testing.assert_close(fused(x), plain(x))
+    att_p, att_f = plain.layers[0].attention, fused.layers[0].attention
+    grads = torch.cat([att_p.wq.weight.grad, att_p.wk.weight.grad, att_p.wv.weight.grad])
+    torch.testing.assert_close(att_f.wqkv.weight.grad, grads)
+    ff_p, ff_f = plain.layers[1].feed_forward, fused.layers[1].feed_forward
+    torch.testing.assert_close(
+        ff_f.w13.weight.grad, torch.cat([ff_p.w1.weight.grad, ff_p.w3.weight.grad])
+    )
+    assert fused.flops_per_token(32) == plain.flops_per_token(32)
+    assert len(list(fused.parameters())) < len(list(plain.parameters()))
+
+
 def test_the_stated_flop_count_is_6n_plus_attention():
     """flops_per_token = 6 N (what torch's counter counts for the matmuls of a real training
     step: it does not count the CPU's attention kernel) + 12 L d T for attention."""
