@@ -104,6 +104,7 @@ def _entries(learner, state, config: dict, rngs: list, tensors: tuple) -> dict:
         "state": dataclasses.asdict(state),
         "rng": rngs,
         "config": config,
+        "callbacks": learner.callbacks.state_dict(),  # (absent from older checkpoints)
     }
 
 
@@ -292,6 +293,13 @@ def restore(blob: dict, path: Path, learner) -> dict:
     elif scaler.is_enabled():
         _load(path, "scaler", lambda: scaler.load_state_dict(blob["scaler"]), "bad scaler state")
     _load(path, "rng", lambda: rng.restore_rng(blob["rng"]), "is not the RNG state mixprec writes")
+    callbacks = learner.callbacks
+    _load(
+        path,
+        "callbacks",
+        lambda: callbacks.load_state_dict(blob.get("callbacks"), f"checkpoint {path}"),
+        "holds a callback state its callback does not take",
+    )
     return blob["state"]
 
 

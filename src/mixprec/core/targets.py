@@ -163,5 +163,27 @@ def call(
         ) from None
 
 
+def instance(key: str, node: Any) -> Any:
+    """An object the config names by `_target_` (callbacks.<name>): `package.module:Class`, or
+    Hydra's dotted `package.module.Class`, built with the node's other keys as its arguments
+    (`path`: a folder put first on the module path, as model.path); a ConfigError naming `key`
+    where it cannot be built."""
+    if hasattr(node, "items") and not isinstance(node, dict):  # (an OmegaConf node)
+        from omegaconf import OmegaConf
+
+        node = OmegaConf.to_container(node, resolve=True)
+    if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
+        raise ConfigError(
+            f"{key}={node!r}: it must be a mapping with _target_: package.module:Class and the "
+            f"class's arguments, e.g. +{key}._target_=mypkg.ema:EMA"
+        )
+    kwargs = dict(node)
+    target, folder = kwargs.pop("_target_"), kwargs.pop("path", None)
+    if ":" not in target and "." in target:  # Hydra's spelling
+        target = ":".join(target.rsplit(".", 1))
+    fn = load(f"{key}._target_", target, folder)
+    return call(f"{key}._target_", target, fn, kwargs, {})
+
+
 def _first(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0][:200]

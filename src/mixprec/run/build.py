@@ -31,6 +31,7 @@ from mixprec.run import config, rundir
 from mixprec.run import layout as layouts
 from mixprec.run.config import TrainConfig
 from mixprec.training import loop, perf
+from mixprec.training.callbacks import Callbacks
 
 log = logging.getLogger("mixprec")
 
@@ -254,7 +255,9 @@ def make_learner(c: TrainConfig, model, optimizer, scheduler, prec, task) -> loo
     user = None
     if loss not in ("task", "own"):
         user = tasks.UserLoss(loss, targets.load("model.loss", loss, c.model.path))
-    return loop.Learner(model, optimizer, scheduler, prec, task, loss == "own", user)
+    built = {n: targets.instance(f"callbacks.{n}", node) for n, node in c.callbacks.items()}
+    callbacks = Callbacks(built)
+    return loop.Learner(model, optimizer, scheduler, prec, task, loss == "own", user, callbacks)
 
 
 def check_memory(c: TrainConfig, spec: Spec, device: torch.device, dd) -> None:

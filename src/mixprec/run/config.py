@@ -114,6 +114,7 @@ class TrainConfig:
     overwrite: bool = MISSING  # a run dir that already holds a run: start it over (else refuse)
     needs_gpu: bool = MISSING  # the preset is sized for a GPU: refuse to start on a CPU
     run_dir: str = MISSING  # where the run writes; train.yaml points it at Hydra's output dir
+    callbacks: Any = MISSING  # {name: {_target_: pkg.mod.Class, its arguments}} (callbacks.py)
 
     def __post_init__(self) -> None:
         ok = self.batch == "auto" or (

@@ -174,6 +174,7 @@ class StepLedger:
         if stepped:
             self.learner.scheduler.step()
             state.step += 1
+            self.learner.callbacks.on_step_end(self.learner, state)
             self.bar.update(1)
             hooks.meter.maybe_end_warmup(state.step)
             if state.step % plan.log_every == 0:
@@ -268,6 +269,7 @@ class StepLedger:
             "perf/mfu": hooks.meter.mfu(sps),
             **hooks.memory(),
         }
+        row.update(self.learner.callbacks.keys("on_log", state.step, row))
         hooks.tracker.log(row, state.step)
         if out.grads is not None:  # a step that ran, at its real number
             hooks.tracker.histograms(
@@ -301,7 +303,8 @@ class StepLedger:
 
     def log_evaluation(self) -> None:
         st = self.state
-        self.hooks.tracker.log({"epoch": st.epoch, **st.val}, st.step)
+        extra = self.learner.callbacks.keys("on_validation_end", st.step, st.val)
+        self.hooks.tracker.log({"epoch": st.epoch, **st.val, **extra}, st.step)
         log.info(
             "epoch %d step %d: %s",
             st.epoch,
@@ -316,6 +319,7 @@ class StepLedger:
             self._check(self.last)
         if self.window_steps:
             self.state.last_loss = float(self.window_loss / self.window_steps)
+        self.learner.callbacks.on_train_end(self.learner, self.state)
 
 
 def eta(steps_left: int, step_ms: float) -> str:

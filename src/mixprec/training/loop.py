@@ -22,6 +22,7 @@ from mixprec.core.tasks import CLASSIFY, Task, call, logits_of, loss_of
 from mixprec.parallel import sharding
 from mixprec.precision.base import Precision
 from mixprec.precision.step_guards import BatchNormGuard, StepWatch
+from mixprec.training.callbacks import Callbacks
 from mixprec.training.ledger import Hooks, StepLedger
 
 
@@ -36,6 +37,7 @@ class Learner:
     task: Task = CLASSIFY  # the loss and the validation metrics (tasks.py)
     own_loss: bool = False  # model.loss=own: the model is given labels=y and returns its loss
     loss_fn: Callable | None = None  # model.loss=pkg.mod:fn: the user's loss of the logits
+    callbacks: Callbacks = field(default_factory=Callbacks)  # callbacks: in the config
 
     @property
     def uses_task_loss(self) -> bool:
@@ -211,6 +213,7 @@ def train(learner: Learner, data, state: TrainState, plan: Plan, hooks: Hooks) -
     """Train until plan.total_steps optimizer steps are taken or plan.epochs are done,
     evaluating every plan.val_every steps, after every epoch and after the last step."""
     ledger = StepLedger(learner, state, plan, hooks)
+    learner.callbacks.on_train_start(learner, state)
     ledger.evaluate = lambda stop: evaluate(learner, data.val, hooks.dist.reduce, stop)
     if plan.val_every and state.step and state.step % plan.val_every == 0:
         ledger.validate()  # a resume from a stop during this step's evaluation: it runs now
