@@ -356,7 +356,7 @@ def test_ctrl_c_in_a_sweep_writes_its_report_and_one_printed_command_finishes_it
     args = ["-m", "seed=0,1,2", "hardware=cpu", "logger=none", "trainer.max_steps=300"]
     args += ["ckpt.every_steps=5", "trainer.log_every=50", f"hydra.sweep.dir={sweep}"]
     proc = start(args)
-    wait_for_step(sweep / "1", proc, 10)
+    wait_for_step(sweep / "1_seed=1", proc, 10)  # a job's folder: its number and swept values
     os.killpg(proc.pid, signal.SIGINT)
     out = finish(proc, 120)[0]
     assert proc.returncode == 130, out[-3000:]
@@ -365,10 +365,15 @@ def test_ctrl_c_in_a_sweep_writes_its_report_and_one_printed_command_finishes_it
     command = line.split("finish the sweep with: ", 1)[1].split()
     assert command[:3] == ["python", "train.py", "-m"] and "resume=auto" in command
     report = (sweep / "report.md").read_text()
-    assert "preempted" in report and not (sweep / "2").exists()
+    assert "preempted" in report and not (sweep / "2_seed=2").exists()
     done = run_train(command[2:])  # (run_train starts python train.py)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    for job in ("0", "1", "2"):
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [
+        "0_seed=0",
+        "1_seed=1",
+        "2_seed=2",
+    ]
+    for job in ("0_seed=0", "1_seed=1", "2_seed=2"):
         assert json.loads((sweep / job / "summary.json").read_text())["status"] == "completed"
     report = (sweep / "report.md").read_text()
     assert "resume=auto" not in report and report.count("| completed |") == 3, report

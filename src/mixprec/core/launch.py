@@ -54,6 +54,21 @@ def job_name(run_dir: Path) -> str:
     return ",".join(mine) or hc.job.override_dirname or Path(run_dir).name
 
 
+def job_dirname(num) -> str:
+    """A sweep job's folder (conf/train.yaml: hydra.sweep.subdir): its number, then its values
+    of the keys the sweep varies (`3_precision=bf16,seed=1`), so that a listing of the sweep
+    says which job is which; `/` in a value becomes `_`. The number alone outside a sweep, or
+    where nothing is swept. The same job gets the same folder every time (a sweep resumed with
+    resume=auto finds its jobs' checkpoints)."""
+    hc = hydra_config()
+    if hc is None or not multirun():
+        return str(num)
+    swept = swept_keys()
+    mine = [o for o in hc.overrides.task if o.split("=", 1)[0].lstrip("+~") in swept]
+    name = ",".join(mine).replace("/", "_").replace(os.sep, "_")
+    return f"{num}_{name}"[:200] if name else str(num)
+
+
 def swept_keys() -> set[str]:
     """The keys this multirun varies: a sweep on the command line (`precision=fp32,bf16`,
     `range(...)`) or in the sweeper's params (the study presets'), read from the sweep's

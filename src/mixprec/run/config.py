@@ -150,6 +150,8 @@ class TrainConfig:
 def register_configs() -> None:
     """Make the schema known to Hydra; conf/train.yaml lists `train_schema` first."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    if not OmegaConf.has_resolver("mixprec.job"):  # hydra.sweep.subdir's job folder names
+        OmegaConf.register_new_resolver("mixprec.job", launch.job_dirname)
 
 
 def validate(cfg: DictConfig) -> TrainConfig:
