@@ -341,6 +341,24 @@ def test_a_precision_hears_after_every_optimizer_step_attempted_skipped_ones_too
     assert len(calls) == 30 and not all(ran) and any(ran)  # skipped steps heard too
 
 
+def test_a_precisions_own_state_is_checkpointed_and_a_resume_continues_it(tmp_path):
+    """Precision.state_dict: an outside recipe's state (tests/plugins/counted_bf16.py counts
+    the steps it heard) is in each checkpoint and comes back on resume; a checkpoint of another
+    precision, without it, is resumed with one line saying so."""
+    args = ["precision=counted_bf16", "logger=none", "trainer.log_every=2", "scheduler=constant"]
+    first = outside(*args, "trainer.max_steps=4", run_dir=tmp_path / "a")
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = outside(*args, "trainer.max_steps=7", "resume=auto", run_dir=tmp_path / "a")
+    assert again.returncode == 0, again.stderr[-3000:]
+    blob = torch.load(tmp_path / "a" / "checkpoints" / "last.pt", weights_only=False)
+    assert blob["precision"] == {"attempts": 7} and blob["state"]["step"] == 7
+    plain = outside("precision=bf16", *args[1:], "trainer.max_steps=2", run_dir=tmp_path / "b")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    later = outside(*args, "trainer.max_steps=3", "resume=auto", run_dir=tmp_path / "b")
+    assert later.returncode == 0, later.stderr[-3000:]
+    assert "holds no state of precision=counted_bf16" in later.stdout + later.stderr
+
+
 @pytest.mark.slow
 def test_a_logger_defined_outside_src_receives_the_runs_rows(tmp_path):
     """logger=csv from tests/plugins (its sink names its module): every row metrics.jsonl has

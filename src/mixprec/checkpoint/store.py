@@ -100,6 +100,7 @@ def _entries(learner, state, config: dict, rngs: list, tensors: tuple) -> dict:
         "model": tensors[0],
         "optimizer": tensors[1],
         "scaler": learner.precision.scaler.state_dict(),
+        "precision": learner.precision.state_dict(),  # a recipe's own state (absent: older)
         "scheduler": learner.scheduler.state_dict(),
         "state": dataclasses.asdict(state),
         "rng": rngs,
@@ -293,6 +294,18 @@ def restore(blob: dict, path: Path, learner) -> dict:
     elif scaler.is_enabled():
         _load(path, "scaler", lambda: scaler.load_state_dict(blob["scaler"]), "bad scaler state")
     _load(path, "rng", lambda: rng.restore_rng(blob["rng"]), "is not the RNG state mixprec writes")
+    prec = learner.precision
+    if blob.get("precision"):
+        _load(
+            path,
+            "precision",
+            lambda: prec.load_state_dict(blob["precision"]),
+            f"holds a precision state that precision={prec.name} does not take",
+        )
+    elif prec.state_dict():
+        log.warning(
+            "checkpoint %s holds no state of precision=%s; it goes on as built", path, prec.name
+        )
     callbacks = learner.callbacks
     _load(
         path,

@@ -236,6 +236,15 @@ class Precision:
         """After each optimizer step train_step attempts (GradScaler may have skipped it:
         its StepWatch knows), before the gradients are zeroed. Nothing here."""
 
+    def state_dict(self) -> dict:
+        """What a recipe with state of its own (a delayed scale, a step counter) needs to
+        continue after a resume: saved in each checkpoint under "precision" (the scaler's
+        state is saved apart). Nothing here."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """state_dict()'s return, from the checkpoint a run resumes."""
+
     def plan(self) -> dict | None:
         """What convert() decided that a resume must keep (None: nothing)."""
         return None
