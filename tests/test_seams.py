@@ -425,6 +425,24 @@ def test_the_layout_and_the_data_dealing_use_the_strategys_data_parallel_size(
     assert half["steps"] == alone["steps"] // 2 or half["steps"] == (alone["steps"] + 1) // 2
 
 
+def test_a_run_builds_its_strategy_once_and_every_part_gets_that_one(cfg_factory, monkeypatch):
+    """A strategy that holds state (a mesh) must be one object: the layout, the build and the
+    checkpoint ask for it, and get the one the run built first."""
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    import half_data_parallel
+
+    made = []
+
+    class Counted(half_data_parallel.Strategy):
+        def __init__(self, cfg) -> None:
+            super().__init__(cfg)
+            made.append(self)
+
+    monkeypatch.setattr(half_data_parallel, "Strategy", Counted)
+    s = run.run(cfg_factory("parallel.plugin=half_data_parallel", "trainer.max_steps=2"))
+    assert s["status"] == "completed" and len(made) == 1
+
+
 @pytest.mark.slow
 def test_a_ddp_variant_defined_outside_src_trains_under_torchrun(tmp_path):
     """tests/plugins/ddp_fp16.py (a module) and its YAML are all a new strategy takes: two

@@ -99,11 +99,17 @@ def parse(node: dict) -> ParallelConfig:
 
 
 def of(pcfg: ParallelConfig) -> Strategy:
-    """The strategy `parallel.plugin` implements, for this config."""
+    """The strategy `parallel.plugin` implements, built once per config: every part of the run
+    that asks (the layout, the build, the checkpoint) gets the same object, so a strategy that
+    holds state (a device mesh, a process group) holds it once."""
+    built = pcfg.__dict__.get("_built")
+    if built is not None:
+        return built
     found = plugin_module(pcfg.plugin).Strategy(pcfg)
     if not isinstance(found, Strategy):
         raise ConfigError(
             f"parallel.plugin={pcfg.plugin!r}: its Strategy must subclass "
             "mixprec.parallel.strategy.Strategy"
         )
+    object.__setattr__(pcfg, "_built", found)  # (not a field: no copy or compare sees it)
     return found
