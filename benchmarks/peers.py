@@ -437,6 +437,12 @@ def main() -> None:
         help="torchtitan's side of the lm rows: auto runs it where torchtitan imports "
         f"({TITAN_INSTALL}), on requires it, off leaves it out",
     )
+    ap.add_argument(
+        "--hf",
+        choices=("on", "off"),
+        default="on",
+        help="the Hugging Face loop's side of the lm rows (off: torchtitan and mixprec alone)",
+    )
     ap.add_argument("--side", choices=("peer", "torchtitan"), help=argparse.SUPPRESS)
     ap.add_argument("--row", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
@@ -455,7 +461,8 @@ def main() -> None:
     titan = a.torchtitan == "on" or (a.torchtitan == "auto" and has_torchtitan())
     results = {}
     for row in rows:  # the sides one after another: each alone on the device
-        results[row] = {"peer": run_side("peer", row, a)}
+        hf = a.hf == "on" or ROWS[row][0] != "lm"
+        results[row] = {"peer": run_side("peer", row, a) if hf else None}
         if ROWS[row][0] == "lm" and titan:
             results[row]["torchtitan"] = run_side("torchtitan", row, a)
         results[row]["mixprec"] = run_side("mixprec", row, a)
@@ -467,7 +474,7 @@ def main() -> None:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "peers.md").write_text(text)
         (a.out / "peers.json").write_text(json.dumps(results, indent=1))
-    if any("error" in side for r in results.values() for side in r.values()):
+    if any(side and "error" in side for r in results.values() for side in r.values()):
         sys.exit(1)
 
 

@@ -79,3 +79,19 @@ def test_a_bad_command_is_one_line_and_exit_2(args, said):
         timeout=120,
     )
     assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_hf_off_leaves_the_hugging_face_side_out_and_the_table_says_so(tmp_path):
+    args = ["--tiny", "--device", "cpu", "--rows", "lm_fp32", "--steps", "10", "--warmup", "1"]
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "peers.py"), *args, "--hf", "off"]
+        + ["--torchtitan", "off", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
+    got = json.loads((tmp_path / "peers.json").read_text())["lm_fp32"]
+    assert got["peer"] is None and got["mixprec"]["rate"] > 0
+    assert "| lm_fp32 | - | - |" in (tmp_path / "peers.md").read_text()
