@@ -80,7 +80,7 @@ def test_own_model_and_data_train_with_train_py_under_each_cpu_precision(tmp_pat
         env_extra=user_env(),
     )
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    for job in ("0", "1", "2"):
+    for job in ("0_precision=fp32", "1_precision=bf16", "2_precision=amp"):
         s = json.loads((sweep / job / "summary.json").read_text())
         assert s["status"] == "completed" and s["model"] == "own_models:TinyConvNet"
         losses = train_losses(sweep / job)

@@ -113,7 +113,7 @@ def test_a_sweep_and_its_report_run_share_project_mode_and_a_dated_group(tmp_pat
     assert {r.group for r in runs} == {"default-2026-11-30_12-00-00"}
     assert {r.project for r in runs} == {"mixprec-sweep"}
     for job in jobs:  # one run dir, meeting the run-dir contract, and one W&B run per job
-        job_dir = sweep / ("0" if job.config["precision"] == "fp32" else "1")
+        job_dir = sweep / f"{0 if job.config['precision'] == 'fp32' else 1}_{job.name}"
         assert check_run_dir(job_dir)["status"] == "completed"
         assert_summary_matches(job, job_dir)
     # the documented sync command covers the jobs and the report run
