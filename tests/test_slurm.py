@@ -185,7 +185,9 @@ def test_two_nodes_train_as_one_data_parallel_job(tmp_path):
     assert one.returncode == 0, one.stderr[-3000:]
 
     strategies = []
-    for run in sorted(p for p in sweep.iterdir() if p.name.isdigit()):
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert [p.name for p in jobs] == ["0_parallel=ddp", "1_parallel=fsdp"]  # named in the job
+    for run in jobs:
         s = summary(run)
         assert (s["world_size"], s["effective_batch"]) == (2, 64)
         strategy = (
