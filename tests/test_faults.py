@@ -108,7 +108,7 @@ def test_a_torn_metrics_line_blocks_neither_resume_nor_report(cfg_factory, tmp_p
     with open(d / "metrics.jsonl", "a") as f:
         f.write("\x00\x00garbage")
     (d / ".hydra").mkdir(exist_ok=True)
-    assert report.write([d], out_dir=tmp_path, to_wandb=False)["table"][0]["status"] == "completed"
+    assert report.write([d], out_dir=tmp_path, to_sinks=False)["table"][0]["status"] == "completed"
 
 
 def test_drop_rows_after_keeps_what_a_resume_repeats(tmp_path):

@@ -71,7 +71,7 @@ def test_failed_jobs_are_failed_rows_and_the_sweep_goes_on(tmp_path):
 @pytest.mark.slow
 def test_report_of_bare_dirs_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="no run directories"):
-        report.write([tmp_path], to_wandb=False)
+        report.write([tmp_path], to_sinks=False)
 
 
 class Tiny(nn.Module):
@@ -212,7 +212,7 @@ def test_the_report_stacks_each_runs_measured_peak_into_its_parts(tmp_path):
         b["peak"] = sum(v for k, v in b.items() if k in parts)
         summary = local.make(status="completed", precision=prec, memory_breakdown=b)
         (run / "summary.json").write_text(json.dumps(summary))
-    out = report.write([tmp_path], tmp_path / "report", to_wandb=False, echo=False)
+    out = report.write([tmp_path], tmp_path / "report", to_sinks=False, echo=False)
     text = (tmp_path / "report" / "report.md").read_text()
     assert "## Where the peak goes" in text
     assert "| precision=fp32 | 35.62 | 3.26 | 6.52 | 0.07 | 25.51 |" in text

@@ -124,7 +124,7 @@ def test_a_missing_dir_is_exit_2_for_the_study_and_the_report(tmp_path):
 def test_names_holding_html_or_a_pipe_are_escaped_in_both_tables(tmp_path):
     sweep = fake_sweep(tmp_path / "sweep", precisions=("fp32", "bf16|<b>x</b>"), seeds=(0, 1))
     quality.write(sweep, "fp32")
-    report.write([sweep], to_wandb=False, plots=False, echo=False)
+    report.write([sweep], to_sinks=False, plots=False, echo=False)
     for name in ("study.md", "report.md"):
         text = (sweep / name).read_text()
         assert "<b>" not in text, name

@@ -381,6 +381,24 @@ def test_a_logger_defined_outside_src_receives_the_runs_rows(tmp_path):
     )
 
 
+def test_a_sweeps_report_reaches_an_outside_sink_that_takes_one(tmp_path):
+    """A sink module may define log_report: a sweep's report then goes to it too (W&B's report
+    run is one such); tests/plugins/csv_logger.py writes the table as one more CSV."""
+    import csv
+
+    sweep = tmp_path / "sweep"
+    proc = run_train(
+        ["-m", f"hydra.searchpath=[file://{PLUGINS / 'conf'}]", "logger=csv"]
+        + ["precision=fp32,bf16", *QUICK, f"hydra.sweep.dir={sweep}"],
+        env_extra={"PYTHONPATH": os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(sweep / "report.csv_logger.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(r["precision"] for r in rows) == ["bf16", "fp32"]
+    assert all(r["status"] == "completed" for r in rows)
+
+
 def test_an_optimizer_defined_outside_src_trains_and_resumes(cfg_factory):
     """optimizer=own: a user's optimizer from a folder (optimizer.path), with its kwargs; one of
     torch's by name; and a target that returns something else is a config error naming it."""

@@ -82,7 +82,7 @@ def sweep(model=None, data=None, precisions=("fp32", "bf16"), overrides=(), swee
     done = {}
     for p in precisions:
         done[p] = train(model, data, [f"precision={p}", *overrides], sweep_dir / p, **kw)
-    report.write([sweep_dir], sweep_dir, to_wandb=False, echo=False)
+    report.write([sweep_dir], sweep_dir, to_sinks=False, echo=False)
     return done
 
 

@@ -41,3 +41,12 @@ class Sink:
             w = csv.DictWriter(f, fieldnames=keys)
             w.writeheader()
             w.writerows(self.rows)
+
+
+def log_report(columns, table, images, out_dir, run_dirs, extra=None) -> None:
+    """Optional: a sweep's report, given to every sink its runs used that defines this. Here the
+    report's table as one more CSV beside report.csv."""
+    with open(out_dir / "report.csv_logger.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(table)

@@ -3,9 +3,9 @@
 Reads every job's summary.json and metrics.jsonl and writes, into the (first) directory given:
 report.md and report.csv (one row per job, failed jobs included) and two PNGs: report_bars.png
 (throughput and peak memory per configuration) and report_curves.png (loss, loss scale and val
-accuracy over steps). The same table goes to the console and, with logger=wandb, to W&B as a
-wandb.Table. A Hydra callback (sweep.ReportCallback) keeps it up to date as each multirun job
-ends.
+accuracy over steps). The same table goes to the console and to every logger the runs used whose
+sink takes a report (`log_report`: with logger=wandb, W&B as a wandb.Table). A Hydra callback
+(sweep.ReportCallback) keeps it up to date as each multirun job ends.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mixprec import sinks
 from mixprec.core import files, metrics
 from mixprec.report.plots import draw
 from mixprec.report.runs import find_runs, read_runs
 from mixprec.sinks import local
-from mixprec.sinks import wandb as wandb_sink
 
 log = logging.getLogger(__name__)
 RATIOS = {  # the columns after each metric's: its spread, its ratio to the fp32 run
@@ -242,7 +242,7 @@ def memory_table(runs: list[dict]) -> str:
 def write(
     paths: list[Path],
     out_dir: Path | None = None,
-    to_wandb: bool | None = None,
+    to_sinks: bool | None = None,
     plots: bool = True,
     echo: bool = True,
 ) -> dict:
@@ -287,15 +287,14 @@ def write(
     if echo:
         print(console(table))
         print("wrote " + ", ".join(str(p) for p in written))
-    if to_wandb if to_wandb is not None else wandb_sink.logged(run_dirs):
-        wandb_sink.log_report(
-            COLUMNS,
-            table,
-            [p for p in written if p.suffix == ".png"],
-            out_dir,
-            run_dirs,
-            extra=study_tables(studied),
-        )
+    for name, sink in sinks.reporting(run_dirs) if to_sinks is not False else ():
+        images = [p for p in written if p.suffix == ".png"]
+        try:  # a sink's failure costs its copy of the report, not the report
+            sink.log_report(COLUMNS, table, images, out_dir, run_dirs, extra=study_tables(studied))
+        except Exception as e:  # noqa: BLE001 (a sink of the user's may raise anything)
+            log.warning(
+                "report: logger %s could not take the report (%s: %s)", name, type(e).__name__, e
+            )
     return {"table": table, "files": written}
 
 
@@ -330,13 +329,19 @@ def main() -> None:
         type=Path,
         help="where to write (default: the dir given; with several, outputs/reports/<date>_<time>)",
     )
-    ap.add_argument("--no-wandb", action="store_true", help="do not log the table to W&B")
+    ap.add_argument(
+        "--no-sinks",
+        "--no-wandb",
+        dest="no_wandb",
+        action="store_true",
+        help="the files only: the report goes to no logger (W&B's report run, yours)",
+    )
     a = ap.parse_args()
     missing = [str(d) for d in a.dirs if not d.is_dir()]
     if missing:
         ap.error(f"not a directory: {', '.join(missing)}")  # exit 2
     with files.cli_errors(a.out or default_out(a.dirs)):
-        write(a.dirs, a.out, to_wandb=False if a.no_wandb else None)
+        write(a.dirs, a.out, to_sinks=False if a.no_wandb else None)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ class ReportCallback(Callback):
             self.failed[job] = FAILED.pop(job)
         elif str(getattr(job_return, "status", "")) == "JobStatus.FAILED":  # an unexpected error
             self.failed[job] = (1, "see the job's train.log")
-        self._write(Path(config.hydra.sweep.dir), to_wandb=False, plots=False, echo=False)
+        self._write(Path(config.hydra.sweep.dir), to_sinks=False, plots=False, echo=False)
 
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -91,7 +91,7 @@ class ReportCallback(Callback):
                 )
             except Exception as e:  # never turn a finished sweep into a failure
                 log.warning("study for %s failed: %s", sweep_dir, e)
-        self._write(sweep_dir, to_wandb=None)
+        self._write(sweep_dir, to_sinks=None)
         failed = failures(sweep_dir)
         seen = {run for run, _, _ in failed}
         failed += [(job, *why) for job, why in self.failed.items() if job not in seen]
@@ -105,15 +105,15 @@ class ReportCallback(Callback):
 
     @staticmethod
     def write_report(sweep_dir: Path) -> None:
-        ReportCallback._write(sweep_dir, to_wandb=None)
+        ReportCallback._write(sweep_dir, to_sinks=None)
 
     @staticmethod
     def _write(
-        sweep_dir: Path, to_wandb: bool | None, plots: bool = True, echo: bool = True
+        sweep_dir: Path, to_sinks: bool | None, plots: bool = True, echo: bool = True
     ) -> None:
         if sweep_dir.is_dir() and find_runs([sweep_dir]):
             try:
-                write([sweep_dir], to_wandb=to_wandb, plots=plots, echo=echo)
+                write([sweep_dir], to_sinks=to_sinks, plots=plots, echo=echo)
             except Exception as e:  # never turn a finished job or sweep into a failure
                 log.warning("report for %s failed: %s", sweep_dir, e)
 

@@ -125,3 +125,40 @@ def build(cfg: LoggerConfig, ctx: Context) -> list:
         except Exception as e:  # noqa: BLE001  (a dashboard never stops training)
             dropped(module.Sink.label, "init", e)
     return out
+
+
+def reporting(run_dirs: list[Path]) -> list[tuple[str, ModuleType]]:
+    """The sinks that take a sweep's report: each sink these runs' configs switched on whose
+    module defines `log_report` (W&B's: a report run beside its jobs; a sink of your own may
+    too) and, where it defines `logged(run_dirs)`, says the runs logged to it. A sink module
+    that cannot be imported here (a user's, off this process's path) is skipped with a
+    warning: the report's files are written all the same."""
+    import logging
+
+    import yaml
+
+    found: dict[str, str] = {}
+    for d in run_dirs:
+        try:
+            cfg = yaml.safe_load((d / ".hydra" / "config.yaml").read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue  # (the report names unreadable runs itself)
+        chosen = ((cfg or {}).get("logger") or {}).get("sinks") if isinstance(cfg, dict) else None
+        for name, how in (chosen if isinstance(chosen, dict) else {}).items():
+            found.setdefault(name, how if isinstance(how, str) else f"{__name__}.{name}")
+    out = []
+    for name, path in found.items():
+        try:
+            module = importlib.import_module(path)
+        except ImportError as e:
+            logging.getLogger(__name__).warning(
+                "report: logger.sinks.%s=%r cannot be imported here (%s); the report does not "
+                "go to it",
+                name,
+                path,
+                e,
+            )
+            continue
+        if hasattr(module, "log_report") and getattr(module, "logged", lambda r: True)(run_dirs):
+            out.append((name, module))
+    return out
