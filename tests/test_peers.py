@@ -13,29 +13,21 @@ import pytest
 from conftest import ROOT
 
 
-@pytest.mark.slow
-def test_the_side_by_side_command_writes_the_ratio_of_its_two_measured_rates(tmp_path):
-    p = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "peers.py"),
-            "--tiny",
-            "--device",
-            "cpu",
-            "--rows",
-            "lm_fp32",
-            "--steps",
-            "10",
-            "--warmup",
-            "2",
-            "--out",
-            str(tmp_path),
-        ],
+def peers(*args: str) -> subprocess.CompletedProcess:
+    """benchmarks/peers.py on llama_tiny's shape on the CPU, lm_fp32, 10 timed steps."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--tiny", "--device", "cpu"]
+        + ["--rows", "lm_fp32", "--steps", "10", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+@pytest.mark.slow
+def test_the_side_by_side_command_writes_the_ratio_of_its_two_measured_rates(tmp_path):
+    p = peers("--warmup", "2", "--out", str(tmp_path))
     assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
     got = json.loads((tmp_path / "peers.json").read_text())["lm_fp32"]
     peer, mine = got["peer"]["rate"], got["mixprec"]["rate"]
@@ -81,16 +73,9 @@ def test_a_bad_command_is_one_line_and_exit_2(args, said):
     assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
+@pytest.mark.slow
 def test_hf_off_leaves_the_hugging_face_side_out_and_the_table_says_so(tmp_path):
-    args = ["--tiny", "--device", "cpu", "--rows", "lm_fp32", "--steps", "10", "--warmup", "1"]
-    p = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "peers.py"), *args, "--hf", "off"]
-        + ["--torchtitan", "off", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    p = peers("--warmup", "1", "--hf", "off", "--torchtitan", "off", "--out", str(tmp_path))
     assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
     got = json.loads((tmp_path / "peers.json").read_text())["lm_fp32"]
     assert got["peer"] is None and got["mixprec"]["rate"] > 0
