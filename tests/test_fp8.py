@@ -101,7 +101,7 @@ def test_the_filter_converts_aligned_linears_but_not_the_head():
     conv = fp8_plugin("tensorwise", False)
     model = conv.convert(Net())
     assert conv.converted == ["fc1", "fc2"]
-    assert type(model.fc1).__name__ == "SharedCastFloat8Linear" and type(model.head) is nn.Linear
+    assert type(model.fc1).__name__ == "Float8Linear" and type(model.head) is nn.Linear
     assert type(model.odd) is nn.Linear  # 24 outputs: not a multiple of 16
     both = fp8_plugin("rowwise", True)
     wide = Net()

@@ -117,24 +117,27 @@ def test_another_torchao_keeps_its_own_forward(monkeypatch, caplog):
 
 
 def test_the_option_composes_and_a_bad_value_names_the_choices():
-    assert validate(compose_cfg(["precision=fp8"])).precision.fp8_weight_cast == "shared"
-    c = validate(compose_cfg(["precision=fp8", "precision.fp8_weight_cast=per_matmul"]))
-    assert c.precision.fp8_weight_cast == "per_matmul"
+    assert validate(compose_cfg(["precision=fp8"])).precision.fp8_weight_cast == "per_matmul"
+    c = validate(compose_cfg(["precision=fp8", "precision.fp8_weight_cast=shared"]))
+    assert c.precision.fp8_weight_cast == "shared"
     with pytest.raises(ConfigError, match=r"precision.fp8_weight_cast.*shared, per_matmul"):
         validate(compose_cfg(["precision=fp8", "precision.fp8_weight_cast=once"]))
 
 
-def test_the_plugin_shares_unsharded_and_keeps_torchaos_forward_when_sharded_or_asked():
+def test_the_plugin_shares_when_asked_and_keeps_torchaos_forward_when_sharded_or_not():
     from test_fp8 import Net, fp8_plugin
 
-    plugin = fp8_plugin()
-    plugin.convert(Net())
-    assert plugin.shared == ["fc1", "fc2"] and plugin.columns()["fp8_weight_cast"] == "shared"
-    sharded = fp8_plugin()
-    sharded.sharded = True
-    sharded.convert(Net())
+    def plugin(cast: str, sharded: bool = False):
+        p = fp8_plugin()
+        p.cfg, p.sharded = dataclasses.replace(p.cfg, fp8_weight_cast=cast), sharded
+        model = p.convert(Net())
+        return p, model
+
+    asked, model = plugin("shared")
+    assert asked.shared == ["fc1", "fc2"] and asked.columns()["fp8_weight_cast"] == "shared"
+    assert type(model.fc1).__name__ == "SharedCastFloat8Linear"
+    sharded, _ = plugin("shared", sharded=True)
     assert sharded.shared == [] and sharded.columns()["fp8_weight_cast"] == "per_matmul"
-    asked = fp8_plugin()
-    asked.cfg = dataclasses.replace(asked.cfg, fp8_weight_cast="per_matmul")
-    asked.convert(Net())
-    assert asked.shared == []
+    default = fp8_plugin()  # the preset's default: torchao's own forward
+    model = default.convert(Net())
+    assert default.shared == [] and type(model.fc1).__name__ == "Float8Linear"

@@ -37,9 +37,10 @@ class Config(PrecisionConfig):
     fp8_all_gather: bool = (
         MISSING  # parallel=fsdp: gather float8 layers' weights in float8 (tensorwise)
     )
-    # shared: a tensorwise layer's float8 weight, cast in its forward, serves its backward too
-    # (fp8_shared.py); per_matmul: torchao's own forward, each matmul casting the weight
-    fp8_weight_cast: str = "shared"
+    # per_matmul: torchao's own forward, each matmul casting the weight; shared: a tensorwise
+    # layer's float8 weight, cast in its forward, serves its backward too (fp8_shared.py; the
+    # default once a GPU has timed it: docs/speed.md)
+    fp8_weight_cast: str = "per_matmul"
     fp8_layers: str = "all"  # all: every eligible layer in fp8_recipe; auto: a measured plan
     fp8_candidates: List[str] = field(default_factory=lambda: ["tensorwise"])
     fp8_margin: float = 0.05  # auto: a layer goes float8 only if that beats bf16 by this much
