@@ -62,8 +62,9 @@ def test_shared_casts_give_torchaos_numbers_bit_for_bit():
 
 
 def test_the_backward_uses_the_forwards_float8_weight_not_a_second_cast():
-    """Traced as inductor's partitioner splits it: with torchao's forward, some backward graph
-    takes the amax of a weight again; shared, no backward graph reads a weight's amax."""
+    """Traced as inductor's partitioner splits it: shared, no backward graph reads a weight's
+    amax. With torchao's own forward it is the partitioner's choice: torch 2.14's re-casts a
+    weight in the backward; torch 2.11's (make test-min, the GPU machines') keeps them all."""
 
     def weight_amaxes_in_backward(model: nn.Module) -> int:
         from functorch.compile import make_boxed_func
@@ -95,8 +96,10 @@ def test_the_backward_uses_the_forwards_float8_weight_not_a_second_cast():
         )  # 20 rows: no weight's shape
         return sum(found)
 
-    assert weight_amaxes_in_backward(converted()) >= 1  # torchao's own: a second weight cast
+    own = weight_amaxes_in_backward(converted())
     assert weight_amaxes_in_backward(converted(share=True)) == 0
+    if torch.__version__ >= "2.14":  # (an observed choice of that partitioner, not a promise)
+        assert own >= 1
 
 
 def test_only_tensorwise_layers_share_and_the_model_still_trains_alike():

@@ -6,13 +6,15 @@ torchao's Float8Linear casts its weight inside its matmul function
 cast), and the backward casts the same weight again for the grad-input GEMM. With tensorwise
 scaling both casts are the same arithmetic (one amax, one scale,
 `cast_config_weight_for_grad_input == cast_config_weight`), so the second is a repeat: a read of
-every fp32 weight for its amax and another for its cast. Whether inductor removes it depends on
-its partitioner's choice per graph (traced, some layers' backward graphs recompute it:
-tests/test_fp8_shared.py). Here the cast happens in the layer's forward, outside the matmul
-function; the function then sees a float8 weight (`tensor_already_casted_to_fp8`), uses it in
-the forward, saves it, and multiplies the backward's gradient with it. The gradient reaches the
-fp32 weight through torchao's cast, whose backward passes it through, as for FSDP2's float8 all-
-gather, which hands torchao a float8 weight the same way.
+every fp32 weight for its amax and another for its cast. Whether inductor removes it is its
+partitioner's choice, which differs between torch versions (traced in tests/test_fp8_shared.py:
+torch 2.14 re-casts a weight in the backward, torch 2.11 keeps them all). Here the cast happens
+in the layer's forward, outside the matmul function; the function then sees a float8 weight
+(`tensor_already_casted_to_fp8`), uses it in the forward, saves it, and multiplies the
+backward's gradient with it. The gradient reaches the fp32 weight through torchao's cast, whose
+backward passes it through, as for FSDP2's float8
+all-gather, which hands torchao a float8
+weight the same way.
 
 The result is the same numbers (the same scale and cast: the test compares them bit for bit);
 what changes is the work and the memory: one weight cast per forward instead of up to two, and
