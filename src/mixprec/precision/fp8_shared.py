@@ -12,8 +12,7 @@ torch 2.14 re-casts a weight in the backward, torch 2.11 keeps them all). Here t
 in the layer's forward, outside the matmul function; the function then sees a float8 weight
 (`tensor_already_casted_to_fp8`), uses it in the forward, saves it, and multiplies the
 backward's gradient with it. The gradient reaches the fp32 weight through torchao's cast, whose
-backward passes it through, as for FSDP2's float8
-all-gather, which hands torchao a float8
+backward passes it through, as for FSDP2's float8 all-gather, which hands torchao a float8
 weight the same way.
 
 The result is the same numbers (the same scale and cast: the test compares them bit for bit);
