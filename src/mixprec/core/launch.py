@@ -49,9 +49,7 @@ def job_name(run_dir: Path) -> str:
     hc = hydra_config()
     if hc is None:
         return Path(run_dir).name
-    swept = swept_keys()
-    mine = [o for o in hc.overrides.task if o.split("=", 1)[0].lstrip("+~") in swept]
-    return ",".join(mine) or hc.job.override_dirname or Path(run_dir).name
+    return ",".join(swept_overrides(hc)) or hc.job.override_dirname or Path(run_dir).name
 
 
 def job_dirname(num) -> str:
@@ -63,10 +61,14 @@ def job_dirname(num) -> str:
     hc = hydra_config()
     if hc is None or not multirun():
         return str(num)
-    swept = swept_keys()
-    mine = [o for o in hc.overrides.task if o.split("=", 1)[0].lstrip("+~") in swept]
-    name = ",".join(mine).replace("/", "_").replace(os.sep, "_")
+    name = ",".join(swept_overrides(hc)).replace("/", "_").replace(os.sep, "_")
     return f"{num}_{name}"[:200] if name else str(num)
+
+
+def swept_overrides(hc) -> list[str]:
+    """This job's overrides of the keys its sweep varies, as typed (`precision=bf16`)."""
+    swept = swept_keys()
+    return [o for o in hc.overrides.task if o.split("=", 1)[0].lstrip("+~") in swept]
 
 
 def swept_keys() -> set[str]:

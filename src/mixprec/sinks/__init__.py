@@ -135,15 +135,13 @@ def reporting(run_dirs: list[Path]) -> list[tuple[str, ModuleType]]:
     warning: the report's files are written all the same."""
     import logging
 
-    import yaml
+    from mixprec.sinks.local import run_config
 
     found: dict[str, str] = {}
     for d in run_dirs:
-        try:
-            cfg = yaml.safe_load((d / ".hydra" / "config.yaml").read_text())
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
-            continue  # (the report names unreadable runs itself)
-        chosen = ((cfg or {}).get("logger") or {}).get("sinks") if isinstance(cfg, dict) else None
+        cfg = run_config(d) or {}  # (an unreadable one: named by the report already)
+        logger = cfg.get("logger")
+        chosen = logger.get("sinks") if isinstance(logger, dict) else None
         for name, how in (chosen if isinstance(chosen, dict) else {}).items():
             found.setdefault(name, how if isinstance(how, str) else f"{__name__}.{name}")
     out = []
